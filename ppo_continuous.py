@@ -1,0 +1,681 @@
+"""PPO for continuous control (MuJoCo) on gymnasium 1.x, with every one of the 37 details.
+
+Read beside "The 37 Implementation Details of PPO" (Huang et al., ICLR blog track 2022). Comments
+cite its items as "core #k" (the 13 core details) and "cont. #k" (the 9 continuous-action ones),
+GAE as Schulman et al. 2016 eq. 16 and the clipped surrogate as Schulman et al. 2017 eq. 7.
+
+Usage:
+    python ppo_continuous.py --env-id HalfCheetah-v5 --seed 1
+    python ppo_continuous.py --eval-checkpoint runs/<run>/checkpoint.pt --eval-episodes 10
+    tensorboard --logdir runs
+
+Differences from CleanRL's ppo_continuous_action.py (same defaults otherwise):
+  * gymnasium 1.x next-step autoreset: the step after an episode ends returns the reset
+    observation, ignores the action and pays reward 0. That transition is stored but masked out
+    of the loss, the advantage recursion never crosses it, and its observation (the *final*
+    observation of the finished episode) gives the bootstrap value for time-limit truncations.
+  * --bootstrap-truncation (default on): when an episode is cut by the time limit, the TD target
+    is r + gamma * V(final obs) instead of r. CleanRL treats truncation like termination
+    (target r); --no-bootstrap-truncation reproduces that.
+  * Normalisation uses gymnasium's vector-level wrappers, so the statistics live in this
+    process, are shared by all envs (CleanRL keeps one set per env), and are saved in the
+    checkpoint; --eval-checkpoint evaluates with them frozen.
+  * The rollout only samples actions; values and log-probs of the whole rollout are computed in
+    one batched forward pass afterwards (same parameters, same numbers, far less overhead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim as optim
+import tyro
+from gymnasium.wrappers import vector as vector_wrappers
+from gymnasium.wrappers.utils import RunningMeanStd
+from torch.distributions.normal import Normal
+from tqdm import tqdm
+
+import common
+from common import UsageError
+
+
+@dataclass
+class Args:
+    exp_name: str = "ppo_continuous"
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment: all randomness (networks, actions, minibatches, envs) flows from it"""
+    torch_deterministic: bool = True
+    """if toggled, sets `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """use CUDA when it is available"""
+    num_threads: int = 1
+    """torch CPU threads; 1 is fastest for 64x64 MLPs (0 keeps torch's default)"""
+    runs_dir: str = "runs"
+    """TensorBoard logs, args.json and checkpoints go to {runs_dir}/{run_name}/"""
+    capture_video: bool = False
+    """record videos of env 0 to {runs_dir}/{run_name}/videos (needs moviepy: pip install "gymnasium[other]")"""
+    save_every: int = 50
+    """write {run_dir}/checkpoint.pt every this many iterations (0: only at the end)"""
+    resume: str | None = None
+    """path of a checkpoint.pt to continue training from (logs continue in its run directory)"""
+    eval_checkpoint: str | None = None
+    """path of a checkpoint.pt to evaluate with the deterministic (mean) action instead of training"""
+    eval_episodes: int = 10
+    """number of episodes for --eval-checkpoint"""
+
+    # Algorithm specific arguments
+    env_id: str = "HalfCheetah-v5"
+    """the id of a gymnasium environment with a continuous (Box) action space"""
+    total_timesteps: int = 1_000_000
+    """total environment steps of the experiment"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 1
+    """the number of parallel environments"""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """run the envs in this process (sync) or one subprocess each (async)"""
+    num_steps: int = 2048
+    """the number of steps per env per rollout"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 (core #4)"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda of generalized advantage estimation"""
+    num_minibatches: int = 32
+    """the number of minibatches per epoch"""
+    update_epochs: int = 10
+    """the number of epochs over each rollout"""
+    norm_adv: bool = True
+    """normalise advantages per minibatch (core #7)"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient epsilon"""
+    clip_vloss: bool = True
+    """clip the value loss (core #9)"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy bonus"""
+    vf_coef: float = 0.5
+    """coefficient of the value loss"""
+    max_grad_norm: float = 0.5
+    """the maximum global norm of the gradients (core #11)"""
+    target_kl: float | None = None
+    """stop the epochs of an update early once approx_kl exceeds this (off by default)"""
+    bootstrap_truncation: bool = True
+    """bootstrap from V(final observation) when the time limit truncates an episode (off: CleanRL)"""
+    obs_clip: float = 10.0
+    """clip normalised observations to [-obs_clip, obs_clip] (cont. #7)"""
+    reward_clip: float = 10.0
+    """clip scaled rewards to [-reward_clip, reward_clip] (cont. #9)"""
+
+    # to be filled in after parsing
+    batch_size: int = 0
+    """the batch size, num_envs * num_steps (computed after parsing)"""
+    minibatch_size: int = 0
+    """the minibatch size, batch_size // num_minibatches (computed after parsing)"""
+    num_iterations: int = 0
+    """the number of iterations, total_timesteps // batch_size (computed after parsing)"""
+
+
+def validate_args(args: Args) -> Args:
+    """Check the flags and fill in the derived sizes; returns ``args``.
+
+    Raises:
+        UsageError: one line naming the flag, for sizes that are not positive or do not divide,
+            out-of-range coefficients and an unknown ``--vector-mode``.
+    """
+    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
+        common.check(getattr(args, name) >= 1, f"--{name.replace('_', '-')}: must be a positive integer")
+    common.check(args.save_every >= 0, "--save-every: must be >= 0 (0 saves only at the end)")
+    common.check(args.num_threads >= 0, "--num-threads: must be >= 0 (0 keeps torch's default)")
+    common.check(args.learning_rate > 0, "--learning-rate: must be positive")
+    common.check(0.0 <= args.gamma <= 1.0, "--gamma: must be in [0, 1]")
+    common.check(0.0 <= args.gae_lambda <= 1.0, "--gae-lambda: must be in [0, 1]")
+    common.check(args.clip_coef > 0, "--clip-coef: must be positive")
+    common.check(args.obs_clip > 0 and args.reward_clip > 0, "--obs-clip/--reward-clip: must be positive")
+    common.check(args.vector_mode in ("sync", "async"), "--vector-mode: expected 'sync' or 'async'")
+    args.batch_size = args.num_envs * args.num_steps
+    common.check(
+        args.batch_size % args.num_minibatches == 0,
+        f"--num-minibatches: must divide num_envs * num_steps = {args.batch_size}, got {args.num_minibatches}",
+    )
+    args.minibatch_size = args.batch_size // args.num_minibatches
+    if args.eval_checkpoint is None:
+        common.check(
+            args.total_timesteps >= args.batch_size,
+            f"--total-timesteps: must be at least one rollout, num_envs * num_steps = {args.batch_size}",
+        )
+    args.num_iterations = args.total_timesteps // args.batch_size
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Environment: gymnasium's own vector-level wrappers (statistics shared by all envs)
+# ----------------------------------------------------------------------------------------------
+class FastRunningMeanStd(RunningMeanStd):
+    """gymnasium's ``RunningMeanStd`` with a shortcut for a batch of one row.
+
+    ``update(x)`` with ``x`` of shape ``(1, *shape)`` uses mean ``x[0]`` and variance 0, which is
+    exactly what ``np.mean``/``np.var`` return for one row, through the same
+    ``update_mean_var_count_from_moments`` (Chan et al. parallel variance), so the statistics are
+    bit-for-bit gymnasium's; it only skips ~50 us of NumPy reduction overhead per env step when
+    ``--num-envs 1``. Larger batches take gymnasium's own path.
+    """
+
+    def update(self, x: np.ndarray) -> None:
+        if x.shape[0] == 1:
+            self.update_from_moments(x[0], self._zero_var, 1)
+        else:
+            super().update(x)
+
+    @property
+    def _zero_var(self) -> np.ndarray:
+        return np.zeros_like(self.var)
+
+
+def check_env_id(env_id: str) -> tuple[int, int]:
+    """Make ``env_id`` once to check it; returns ``(obs_dim, act_dim)``.
+
+    Raises:
+        UsageError: the id is unknown or cannot be made (e.g. MuJoCo missing), its action space is
+            not a ``Box`` (this script is for continuous actions), or its observation is not flat.
+    """
+    try:
+        env = gym.make(env_id)
+    except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--env-id: cannot make {env_id!r}: {msg}") from None
+    obs_space, act_space = env.observation_space, env.action_space
+    env.close()
+    common.check(
+        isinstance(act_space, gym.spaces.Box),
+        f"--env-id: {env_id} has a {type(act_space).__name__} action space; this script needs a "
+        "continuous (Box) one (use a discrete-action PPO for it)",
+    )
+    common.check(
+        isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1,
+        f"--env-id: {env_id} needs a flat Box observation space, got {obs_space}",
+    )
+    return int(obs_space.shape[0]), int(np.prod(act_space.shape))
+
+
+def make_envs(
+    env_id: str,
+    num_envs: int,
+    vector_mode: str = "sync",
+    gamma: float = 0.99,
+    obs_clip: float = 10.0,
+    reward_clip: float = 10.0,
+    video_dir: str | None = None,
+) -> gym.vector.VectorEnv:
+    """Vector env with the 37-details wrappers, all gymnasium's own, at the vector level.
+
+    Order (inner to outer): RecordEpisodeStatistics (raw returns, core #12), ClipAction (the env
+    sees clipped actions, cont. #5), NormalizeObservation (cont. #6), TransformObservation clip
+    (cont. #7), NormalizeReward by the std of the discounted return (cont. #8), TransformReward
+    clip (cont. #9). Next-step autoreset (gymnasium's default, which the vector
+    NormalizeObservation requires). Observations are float32 of shape ``(num_envs, obs_dim)``.
+    ``video_dir`` records env 0 with ``gymnasium.wrappers.RecordVideo``.
+    """
+
+    def thunk(idx: int):
+        def _make():
+            if video_dir is not None and idx == 0:
+                env = gym.make(env_id, render_mode="rgb_array")
+                return gym.wrappers.RecordVideo(env, video_dir)
+            return gym.make(env_id)
+
+        return _make
+
+    vec_cls = gym.vector.SyncVectorEnv if vector_mode == "sync" else gym.vector.AsyncVectorEnv
+    envs = vec_cls([thunk(i) for i in range(num_envs)], autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+    envs = vector_wrappers.RecordEpisodeStatistics(envs)
+    envs = vector_wrappers.ClipAction(envs)
+    envs = vector_wrappers.NormalizeObservation(envs)
+    envs.obs_rms = FastRunningMeanStd(shape=envs.obs_rms.mean.shape, dtype=envs.obs_rms.mean.dtype)
+    envs = vector_wrappers.TransformObservation(
+        envs, lambda obs: np.clip(obs, -obs_clip, obs_clip), envs.observation_space
+    )
+    envs = vector_wrappers.NormalizeReward(envs, gamma=gamma)
+    envs.return_rms = FastRunningMeanStd(shape=())
+    envs = vector_wrappers.TransformReward(envs, lambda r: np.clip(r, -reward_clip, reward_clip))
+    return envs
+
+
+def _find_wrapper(envs: gym.vector.VectorEnv, cls: type) -> gym.vector.VectorWrapper:
+    env = envs
+    while not isinstance(env, cls):
+        if not hasattr(env, "env"):
+            raise ValueError(f"no {cls.__name__} in the wrapper chain")
+        env = env.env
+    return env
+
+
+def get_norm_state(envs: gym.vector.VectorEnv) -> dict[str, np.ndarray | float]:
+    """Copy of the normalisation statistics of ``make_envs``'s wrappers.
+
+    Returns ``obs_mean``/``obs_var`` of shape ``(obs_dim,)`` and ``obs_count`` (observation
+    normaliser, cont. #6) and ``ret_mean``/``ret_var``/``ret_count`` (scalars, the discounted-return
+    statistics of the reward scaler, cont. #8). Raises ``ValueError`` if a wrapper is missing.
+    """
+    obs_rms = _find_wrapper(envs, vector_wrappers.NormalizeObservation).obs_rms
+    ret_rms = _find_wrapper(envs, vector_wrappers.NormalizeReward).return_rms
+    return {
+        "obs_mean": np.array(obs_rms.mean, copy=True), "obs_var": np.array(obs_rms.var, copy=True),
+        "obs_count": obs_rms.count,
+        "ret_mean": np.array(ret_rms.mean, copy=True), "ret_var": np.array(ret_rms.var, copy=True),
+        "ret_count": ret_rms.count,
+    }
+
+
+def set_norm_state(envs: gym.vector.VectorEnv, state: dict, update: bool = True) -> None:
+    """Restore what :func:`get_norm_state` returned, bit for bit; ``update=False`` freezes both
+    normalisers (gymnasium's ``update_running_mean``), as for evaluation.
+
+    Raises:
+        UsageError: the statistics' shape does not match the env's observation.
+    """
+    obs_norm = _find_wrapper(envs, vector_wrappers.NormalizeObservation)
+    ret_norm = _find_wrapper(envs, vector_wrappers.NormalizeReward)
+    common.check(
+        np.shape(state["obs_mean"]) == obs_norm.obs_rms.mean.shape,
+        f"checkpoint: observation statistics of shape {np.shape(state['obs_mean'])} do not fit "
+        f"observations of shape {obs_norm.obs_rms.mean.shape}",
+    )
+    obs_norm.obs_rms.mean = np.array(state["obs_mean"], copy=True)
+    obs_norm.obs_rms.var = np.array(state["obs_var"], copy=True)
+    obs_norm.obs_rms.count = state["obs_count"]
+    ret_norm.return_rms.mean = np.array(state["ret_mean"], copy=True)
+    ret_norm.return_rms.var = np.array(state["ret_var"], copy=True)
+    ret_norm.return_rms.count = state["ret_count"]
+    obs_norm.update_running_mean = update
+    ret_norm.update_running_mean = update
+
+
+def finished_episodes(infos: dict) -> list[tuple[int, float, int]]:
+    """Every episode that ended on this step, as ``(env_index, return, length)``.
+
+    Reads ``infos["episode"]`` / ``infos["_episode"]`` written by gymnasium 1.x's vector
+    ``RecordEpisodeStatistics`` (raw, unscaled rewards); several envs finishing on the same step
+    all appear. Returns ``[]`` when none finished.
+    """
+    if "_episode" not in infos:
+        return []
+    ep = infos["episode"]
+    return [(int(i), float(ep["r"][i]), int(ep["l"][i])) for i in np.flatnonzero(infos["_episode"])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Network: separate actor and critic, 64x64 tanh MLPs (core #13, cont. #4)
+# ----------------------------------------------------------------------------------------------
+def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
+    """Orthogonal weights with gain ``std``, constant biases (core #2)."""
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    """Gaussian policy with state-independent log-std (cont. #1-#3) and a separate critic.
+
+    ``actor_mean(x)``: ``(B, obs_dim) -> (B, act_dim)``; ``get_value(x)``: ``(B, obs_dim) -> (B,)``.
+    """
+
+    def __init__(self, obs_dim: int, act_dim: int):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, 64)), nn.Tanh(),
+            layer_init(nn.Linear(64, act_dim), std=0.01),
+        )
+        self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # cont. #2
+
+    def get_value(self, x: torch.Tensor) -> torch.Tensor:
+        return self.critic(x).squeeze(-1)
+
+    def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor):
+        """Log-prob ``(B,)`` of ``action`` ``(B, act_dim)``, entropy ``(B,)`` and value ``(B,)``.
+
+        Action dimensions are independent: log-probs and entropies are summed over them (cont. #3).
+        """
+        action_mean = self.actor_mean(x)
+        probs = Normal(action_mean, self.actor_logstd.expand_as(action_mean).exp())
+        return probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.get_value(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE (core #5)
+# ----------------------------------------------------------------------------------------------
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    next_values: torch.Tensor,
+    terminations: torch.Tensor,
+    dones: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation, Schulman et al. 2016 eq. 16, with episode boundaries.
+
+    All inputs have shape ``(T, N)`` (steps, envs), float:
+      ``rewards[t]`` reward of step t; ``values[t]`` V(s_t); ``next_values[t]`` V(s_{t+1}) where
+      s_{t+1} is the observation the step returned (the final observation when the episode ended);
+      ``terminations[t]`` 1 where s_{t+1} is terminal, so nothing is bootstrapped (pass
+      terminated-or-truncated here to treat truncation as termination, as CleanRL does);
+      ``dones[t]`` 1 where the episode ended after step t (terminated or truncated), which stops
+      the recursion ``A_t = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}`` with
+      ``delta_t = r_t + gamma * (1 - term_t) * V(s_{t+1}) - V(s_t)``.
+    Returns ``(advantages, returns)`` of shape ``(T, N)``, ``returns = advantages + values``.
+    Raises ``ValueError`` if the shapes differ.
+    """
+    if not (rewards.shape == values.shape == next_values.shape == terminations.shape == dones.shape):
+        raise ValueError("compute_gae: rewards, values, next_values, terminations, dones need one shape")
+    advantages = torch.zeros_like(rewards)
+    lastgaelam = torch.zeros_like(rewards[0])
+    for t in reversed(range(rewards.shape[0])):
+        delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
+        lastgaelam = delta + gamma * gae_lambda * (1.0 - dones[t]) * lastgaelam
+        advantages[t] = lastgaelam
+    return advantages, advantages + values
+
+
+def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
+    """1 - Var[y_true - y_pred] / Var[y_true] over 1-D arrays; NaN when Var[y_true] is 0 (core #12)."""
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
+def checkpoint_dict(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:
+    """Everything a resumed run or an evaluation needs: networks, optimizer, counters, every RNG
+    and the normalisation statistics (see :func:`get_norm_state`)."""
+    return {
+        "agent": agent.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "iteration": iteration,
+        "global_step": global_step,
+        "rng": common.get_rng_state(),
+        "norm": get_norm_state(envs),
+        "args": dataclasses.asdict(args),
+    }
+
+
+def _check_video(flag: str) -> None:
+    common.check(
+        importlib.util.find_spec("moviepy") is not None,
+        f'{flag}: video recording needs moviepy; install it with: pip install "gymnasium[other]"',
+    )
+
+
+def _device(args: Args) -> torch.device:
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation: deterministic policy, frozen statistics
+# ----------------------------------------------------------------------------------------------
+def evaluate(args: Args) -> list[float]:
+    """Run ``--eval-episodes`` episodes of the checkpoint's mean action with frozen
+    normalisation statistics; prints and returns the raw episodic returns.
+
+    Raises:
+        UsageError: unreadable checkpoint, or one that does not fit its env.
+    """
+    ckpt = common.load_checkpoint(args.eval_checkpoint, "--eval-checkpoint")
+    common.check(
+        all(k in ckpt for k in ("agent", "norm", "args")), "--eval-checkpoint: not a ppo_continuous.py checkpoint"
+    )
+    env_id = ckpt["args"]["env_id"]
+    obs_dim, act_dim = check_env_id(env_id)
+    device = _device(args)
+    video_dir = None
+    if args.capture_video:
+        _check_video("--capture-video")
+        video_dir = str(Path(args.eval_checkpoint).resolve().parent / "videos_eval")
+    envs = make_envs(env_id, 1, "sync", ckpt["args"]["gamma"], ckpt["args"]["obs_clip"], ckpt["args"]["reward_clip"], video_dir)
+    set_norm_state(envs, ckpt["norm"], update=False)
+    agent = Agent(obs_dim, act_dim).to(device)
+    try:
+        agent.load_state_dict(ckpt["agent"])
+    except RuntimeError:
+        raise UsageError(f"--eval-checkpoint: networks do not fit {env_id}") from None
+    agent.eval()
+    returns: list[float] = []
+    next_obs, _ = envs.reset(seed=args.seed)
+    with torch.inference_mode():
+        while len(returns) < args.eval_episodes:
+            action = agent.actor_mean(torch.as_tensor(next_obs, device=device))  # the mean action
+            next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
+            returns += [r for _, r, _ in finished_episodes(infos)]
+    envs.close()
+    returns = returns[: args.eval_episodes]
+    print(f"eval {env_id}: {len(returns)} episodes, return {np.mean(returns):.1f} +- {np.std(returns):.1f}")
+    return returns
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def train(args: Args) -> dict:
+    """Train PPO; returns ``{"run_dir", "global_step", "sps", "episodes": [(step, return, length)]}``.
+
+    Raises:
+        UsageError: bad flags, env id, or ``--resume`` checkpoint.
+    """
+    obs_dim, act_dim = check_env_id(args.env_id)
+    ckpt = None
+    if args.resume is not None:
+        ckpt = common.load_checkpoint(args.resume)
+        common.check("agent" in ckpt and "norm" in ckpt, "--resume: not a ppo_continuous.py checkpoint")
+        common.check(
+            ckpt["args"]["env_id"] == args.env_id,
+            f"--resume: the checkpoint was trained on {ckpt['args']['env_id']}, not --env-id {args.env_id}",
+        )
+        run_dir = Path(args.resume).resolve().parent
+    else:
+        run_dir = Path(args.runs_dir) / common.make_run_name(args.exp_name, args)
+    video_dir = None
+    if args.capture_video:
+        _check_video("--capture-video")
+        video_dir = str(run_dir / "videos")
+    writer = common.make_writer(run_dir, args)
+
+    # TRY NOT TO MODIFY: seeding
+    common.seed_everything(args.seed, args.torch_deterministic)
+    device = _device(args)
+
+    # env setup (core #1: vectorized architecture)
+    envs = make_envs(args.env_id, args.num_envs, args.vector_mode, args.gamma, args.obs_clip, args.reward_clip, video_dir)
+
+    agent = Agent(obs_dim, act_dim).to(device)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)  # core #3
+
+    start_iteration, global_step, reset_seed = 1, 0, args.seed
+    if ckpt is not None:
+        try:
+            agent.load_state_dict(ckpt["agent"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except (RuntimeError, ValueError, KeyError):
+            raise UsageError(f"--resume: the networks in {args.resume} do not fit {args.env_id}") from None
+        set_norm_state(envs, ckpt["norm"])
+        start_iteration, global_step = ckpt["iteration"] + 1, ckpt["global_step"]
+        reset_seed = args.seed + global_step  # in-flight episodes restart from a fresh, seeded reset
+
+    # ALGO Logic: storage setup, shape (num_steps, num_envs, ...)
+    obs = torch.zeros((args.num_steps, args.num_envs, obs_dim), device=device)
+    actions = torch.zeros((args.num_steps, args.num_envs, act_dim), device=device)
+    # env outputs stay in NumPy until the rollout ends: one conversion per rollout, not per step
+    rewards = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
+    terminations = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
+    dones = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
+    valid = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)  # 0: autoreset step
+
+    next_obs, _ = envs.reset(seed=reset_seed)
+    next_obs = torch.as_tensor(next_obs, device=device)
+    next_valid = np.ones(args.num_envs, dtype=np.float32)
+    if ckpt is not None:
+        common.set_rng_state(ckpt["rng"])
+    episodes: list[tuple[int, float, int]] = []
+    start_time, start_step = time.time(), global_step
+    pbar = tqdm(total=args.num_iterations * args.batch_size, initial=global_step, unit="step", mininterval=1.0)
+
+    for iteration in range(start_iteration, args.num_iterations + 1):
+        # core #4: linear learning-rate annealing
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+        # ROLLOUT: sample a ~ N(mu(s), sigma) (cont. #1) as mu + sigma * noise; values and log-probs
+        # are computed for the whole batch after the rollout.
+        noise = torch.randn((args.num_steps, args.num_envs, act_dim), device=device)
+        with torch.inference_mode():
+            std = agent.actor_logstd.exp()
+            for step in range(args.num_steps):
+                global_step += args.num_envs
+                obs[step] = next_obs
+                valid[step] = next_valid
+                action = agent.actor_mean(next_obs) + std * noise[step]
+                actions[step] = action  # stored unclipped; ClipAction clips what the env sees (cont. #5)
+                next_obs, reward, term, trunc, infos = envs.step(action.cpu().numpy())
+                rewards[step], terminations[step] = reward, term
+                done = np.logical_or(term, trunc)
+                dones[step] = done
+                # gymnasium 1.x next-step autoreset: after an episode ends, the next step of that env
+                # only resets it (action ignored, reward 0); it is stored but never trained on.
+                next_valid = 1.0 - done
+                next_obs = torch.as_tensor(next_obs, device=device)
+                for i, ep_return, ep_length in finished_episodes(infos):
+                    episodes.append((global_step, ep_return, ep_length))
+                    writer.add_scalar("charts/episodic_return", ep_return, global_step)
+                    writer.add_scalar("charts/episodic_length", ep_length, global_step)
+
+            # values and old log-probs of the whole rollout in one batched pass
+            b_obs = obs.reshape(-1, obs_dim)
+            b_actions = actions.reshape(-1, act_dim)
+            b_logprobs, _, b_values = agent.get_action_and_value(b_obs, b_actions)
+            values = b_values.reshape(args.num_steps, args.num_envs)
+            # V(s_{t+1}): the next stored observation is the one the step returned (the final one
+            # when the episode ended, thanks to next-step autoreset); the last comes from next_obs.
+            next_values = torch.cat([values[1:], agent.get_value(next_obs).unsqueeze(0)])
+
+            # GAE (core #5, Schulman et al. 2016 eq. 16). Time-limit truncation bootstraps from
+            # V(final obs) unless --no-bootstrap-truncation, which treats it as termination.
+            t_rewards = torch.as_tensor(rewards, device=device)
+            t_dones = torch.as_tensor(dones, device=device)
+            t_terms = torch.as_tensor(terminations, device=device) if args.bootstrap_truncation else t_dones
+            advantages, returns = compute_gae(t_rewards, values, next_values, t_terms, t_dones, args.gamma, args.gae_lambda)
+
+        # flatten the batch; keep only real transitions (autoreset steps masked out)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_valid_inds = torch.as_tensor(np.flatnonzero(valid.reshape(-1)), device=device)
+
+        # UPDATE: epochs over shuffled minibatches (core #6)
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            perm = b_valid_inds[torch.randperm(len(b_valid_inds), device=device)]
+            for mb_inds in torch.tensor_split(perm, args.num_minibatches):
+                newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+
+                with torch.no_grad():  # core #12: debug variables
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:  # core #7: per-minibatch advantage normalisation
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                # core #8: clipped surrogate objective (Schulman et al. 2017 eq. 7), negated
+                pg_loss1 = -mb_advantages * ratio
+                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+                # core #9: value loss clipping
+                if args.clip_vloss:
+                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                    v_clipped = b_values[mb_inds] + torch.clamp(
+                        newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef
+                    )
+                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                    v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+                # core #10: overall loss with entropy bonus
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)  # core #11
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        # TRY NOT TO MODIFY: record rewards and debug variables for plotting purposes
+        y_pred = b_values[b_valid_inds].cpu().numpy()
+        y_true = b_returns[b_valid_inds].cpu().numpy()
+        sps = int((global_step - start_step) / (time.time() - start_time))
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+        writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
+        writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), global_step)
+        writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+        writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+        writer.add_scalar("losses/explained_variance", explained_variance(y_pred, y_true), global_step)
+        writer.add_scalar("charts/SPS", sps, global_step)
+        pbar.update(args.batch_size)
+        if episodes:
+            pbar.set_postfix(ret=f"{episodes[-1][1]:.1f}", sps=sps, refresh=False)
+
+        if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):
+            common.atomic_save(checkpoint_dict(agent, optimizer, envs, args, iteration, global_step), run_dir / "checkpoint.pt")
+
+    pbar.close()
+    envs.close()
+    writer.close()
+    sps = (global_step - start_step) / max(time.time() - start_time, 1e-9)
+    last = [r for _, r, _ in episodes[-10:]]
+    summary = {"run_dir": str(run_dir), "global_step": global_step, "sps": sps, "episodes": episodes}
+    with open(run_dir / "summary.json", "w") as f:
+        json.dump({**summary, "final_return_last10": float(np.mean(last)) if last else None}, f)
+    if last:
+        print(f"{args.env_id}: {global_step} steps, {sps:.0f} steps/s, mean return of the last {len(last)} episodes {np.mean(last):.1f}")
+    print(f"checkpoint: {run_dir / 'checkpoint.pt'}")
+    return summary
+
+
+def main(args: Args | None = None):
+    """Entry point: parse flags (unless ``args`` is given), then evaluate or train."""
+    if args is None:
+        args = tyro.cli(Args)
+    args = validate_args(args)
+    if args.eval_checkpoint is not None:
+        return evaluate(args)
+    return train(args)
+
+
+if __name__ == "__main__":
+    common.run_cli(main)

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny randomly initialised models and a character-level tokenizer, built offline."""
+
+import os
+import string
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHARS = string.digits + string.ascii_letters + " +-*=?.,:#\n"
+
+
+def make_tokenizer():
+    """A character-level tokenizer: one token per character, plus <unk>, <pad> and <eos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<pad>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
+                                   padding_side="left")
+
+
+def make_tiny_model(path: Path, seed: int = 0, kind: str = "causal-lm") -> Path:
+    """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    tokenizer = make_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None, tie_word_embeddings=True, num_labels=1)
+    torch.manual_seed(seed)
+    model = (LlamaForCausalLM if kind == "causal-lm" else LlamaForSequenceClassification)(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-rm"), seed=1, kind="reward")
