@@ -9,6 +9,7 @@ script so that one file can be read, top to bottom, beside its paper.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -278,28 +279,29 @@ class Task:
     """A verifiable task: questions with reference answers and a reward function.
 
     ``reward_fn(completion, example) -> float`` scores one decoded completion against one example
-    (a dict with at least ``question`` and ``answer``); ``correct_fn`` says whether the final
-    answer is right (logged as accuracy).
+    (a dict with at least ``question`` and ``answer``); ``correct_fn(completion, example) -> bool``
+    says whether its final answer is right (logged as accuracy). Bring your own by building one.
     """
 
     name: str
     train: list[dict]
     test: list[dict]
+    reward_fn: Callable[[str, dict], float]
     correct_fn: Callable[[str, dict], bool]
-    format_reward: float = 0.0
-
-    def reward_fn(self, completion: str, example: dict) -> float:
-        """1 for a correct final number, plus ``format_reward`` if the completion ends with a number."""
-        reward = float(self.correct_fn(completion, example))
-        if self.format_reward and re.search(r"\d\s*\.?\s*$", completion.strip()):
-            reward += self.format_reward
-        return reward
 
 
 def number_matches(completion: str, example: dict) -> bool:
     """True when the last number in ``completion`` equals ``example["answer"]`` numerically."""
     value = extract_final_number(completion)
     return value is not None and abs(value - float(example["answer"])) < 1e-6
+
+
+def outcome_reward(completion: str, example: dict, format_reward: float = 0.0) -> float:
+    """1 for a correct final number, plus ``format_reward`` when the completion ends with a number."""
+    reward = float(number_matches(completion, example))
+    if format_reward and re.search(r"\d\.?$", completion.strip()):
+        reward += format_reward
+    return reward
 
 
 def make_addition_task(num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234) -> Task:
@@ -309,7 +311,8 @@ def make_addition_task(num_test: int = 128, format_reward: float = 0.0, split_se
     """
     problems = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
     random.Random(split_seed).shuffle(problems)
-    return Task("addition", problems[num_test:], problems[:num_test], number_matches, format_reward)
+    reward = functools.partial(outcome_reward, format_reward=format_reward)
+    return Task("addition", problems[num_test:], problems[:num_test], reward, number_matches)
 
 
 def load_gsm8k_jsonl(path: str | os.PathLike, num_test: int = 128, format_reward: float = 0.0,
@@ -344,7 +347,8 @@ def load_gsm8k_jsonl(path: str | os.PathLike, num_test: int = 128, format_reward
     if len(examples) <= num_test:
         raise UsageError(f"{flag}: {path} has {len(examples)} examples; need more than the {num_test} held out")
     random.Random(split_seed).shuffle(examples)
-    return Task(path.stem, examples[num_test:], examples[:num_test], number_matches, format_reward)
+    reward = functools.partial(outcome_reward, format_reward=format_reward)
+    return Task(path.stem, examples[num_test:], examples[:num_test], reward, number_matches)
 
 
 def build_prompt(tokenizer, question: str) -> str:

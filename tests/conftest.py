@@ -41,7 +41,8 @@ def make_tiny_model(path: Path, seed: int = 0, kind: str = "causal-lm") -> Path:
                          bos_token_id=None, tie_word_embeddings=True, num_labels=1)
     torch.manual_seed(seed)
     model = (LlamaForCausalLM if kind == "causal-lm" else LlamaForSequenceClassification)(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if kind == "causal-lm":
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

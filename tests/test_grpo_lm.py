@@ -1,0 +1,235 @@
+"""grpo_lm.py: equations against hand-computed numbers, learning on a tiny model, CLI, resume, errors."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+import grpo_lm
+from conftest import ROOT
+
+LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Equations
+# ---------------------------------------------------------------------------------------------
+def test_group_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 1.0])
+    adv = grpo_lm.group_advantages(rewards, group_size=4, eps=1e-4)
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> 0; group 3: mean 1, std sqrt(2/3)
+    s1, s3 = math.sqrt(1 / 3) + 1e-4, math.sqrt(2 / 3) + 1e-4
+    expected = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, 0, 0, 0, 0, 1 / s3, -1 / s3, 0, 0]
+    torch.testing.assert_close(adv, torch.tensor(expected), rtol=0, atol=1e-6)
+    assert not torch.isnan(grpo_lm.group_advantages(torch.zeros(8), 8, eps=1e-4)).any()
+    with pytest.raises(ValueError):
+        grpo_lm.group_advantages(torch.zeros(6), 4)
+
+
+def test_k3_kl_values_nonnegative_and_zero_when_equal():
+    logp = torch.tensor([[LOG_HALF, LOG_HALF, -1.0]])
+    ref = torch.tensor([[math.log(0.25), LOG_HALF + LOG_2, -1.0]])
+    # pi_ref/pi = 0.5: 0.5 - ln 0.5 - 1;  pi_ref/pi = 2: 2 - ln 2 - 1;  equal: 0
+    expected = torch.tensor([[0.5 - LOG_HALF - 1, 2 - LOG_2 - 1, 0.0]])
+    torch.testing.assert_close(grpo_lm.k3_kl(logp, ref), expected)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 16, generator=g), torch.randn(64, 16, generator=g)
+    assert (grpo_lm.k3_kl(a, b) >= 0).all()
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, loss, grad",
+    [
+        (1.5, 1.0, -1.2, 0.0),  # A > 0, ratio above 1 + eps: clipped, no gradient
+        (1.1, 1.0, -1.1, -1.1),  # A > 0 inside the range: d(-ratio*A)/dlogp = -ratio*A
+        (0.5, 1.0, -0.5, -0.5),  # A > 0 below 1 - eps: min picks the unclipped term, gradient flows
+        (0.5, -1.0, 0.8, 0.0),  # A < 0, ratio below 1 - eps: clipped, no gradient
+        (1.5, -1.0, 1.5, 1.5),  # A < 0 above 1 + eps: unclipped (pessimistic) term, gradient flows
+    ],
+)
+def test_clipped_surrogate_value_and_gradient(ratio, adv, loss, grad):
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    out, stats = grpo_lm.grpo_loss(logp, torch.zeros(1, 1), None, torch.tensor([adv]), torch.ones(1, 1),
+                                   clip_range=0.2, beta=0.0, num_sequences=1)
+    out.backward()
+    assert out.item() == pytest.approx(loss, abs=1e-6)
+    assert logp.grad.item() == pytest.approx(grad, abs=1e-6)
+    assert stats["clipped"].item() == (1.0 if grad == 0.0 else 0.0)
+
+
+def test_completion_mask_stops_after_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 9, 9, 9]])
+    expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float32)
+    assert torch.equal(grpo_lm.completion_mask(ids, eos_token_id=2), expected)
+
+
+def test_per_sequence_length_normalisation_and_masking():
+    # A = 0, so only the KL term (beta = 1) remains. Sequence 1 has 1 valid token, sequence 2 has 3.
+    logp = torch.zeros(2, 3)
+    ref = torch.tensor([[LOG_HALF, 50.0, 50.0],  # tokens after EOS are garbage and must not count
+                        [0.0, 0.0, LOG_2]])
+    mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
+    loss, _ = grpo_lm.grpo_loss(logp, logp, ref, torch.zeros(2), mask, 0.2, beta=1.0, num_sequences=2)
+    kl_half, kl_two = 0.5 - LOG_HALF - 1, 2 - LOG_2 - 1
+    # eq. 3: 1/G sum_i 1/|o_i| sum_t -> (kl_half / 1 + kl_two / 3) / 2 = 0.14772 (a token mean gives 0.125)
+    assert loss.item() == pytest.approx((kl_half + kl_two / 3) / 2, abs=1e-6)
+
+
+def test_micro_batch_losses_add_up_to_the_full_batch_loss():
+    g = torch.Generator().manual_seed(1)
+    logp, old, ref = (torch.randn(6, 5, generator=g) * 0.1 for _ in range(3))
+    adv, mask = torch.randn(6, generator=g), (torch.rand(6, 5, generator=g) > 0.3).float()
+    full, _ = grpo_lm.grpo_loss(logp, old, ref, adv, mask, 0.2, 0.04, num_sequences=6)
+    parts = sum(grpo_lm.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6)[0]
+                for s in (slice(0, 2), slice(2, 6)))
+    torch.testing.assert_close(full, parts)
+
+
+def test_token_log_probs_ignore_left_padding(tiny_model_dir):
+    model = common.load_model(str(tiny_model_dir)).eval()
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    enc = tok(["What is 1 + 2?3<eos>", "1+1=2<eos>"], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        batched = grpo_lm.token_log_probs(model, enc["input_ids"], enc["attention_mask"], 3, temperature=0.7)
+        alone = tok(["1+1=2<eos>"], return_tensors="pt", add_special_tokens=False)
+        single = grpo_lm.token_log_probs(model, alone["input_ids"], alone["attention_mask"], 3, temperature=0.7)
+        logits = model(**alone).logits[0, -4:-1] / 0.7
+    torch.testing.assert_close(batched[1], single[0], atol=1e-5, rtol=1e-5)
+    manual = logits.log_softmax(-1).gather(1, alone["input_ids"][0, -3:, None]).squeeze(1)
+    torch.testing.assert_close(single[0], manual, atol=1e-5, rtol=1e-5)
+
+
+def test_reward_model_reads_the_last_real_token(tiny_reward_model_dir):
+    rm = common.load_model(str(tiny_reward_model_dir), kind="reward").eval()
+    tok = common.load_tokenizer(str(tiny_reward_model_dir))
+    a = tok(["12+3=15<eos>"], return_tensors="pt", add_special_tokens=False)
+    padded_ids = torch.cat([a["input_ids"], torch.full((1, 3), tok.pad_token_id)], 1)
+    padded_mask = torch.cat([a["attention_mask"], torch.zeros(1, 3, dtype=torch.long)], 1)
+    s1 = grpo_lm.reward_model_scores(rm, a["input_ids"], a["attention_mask"])
+    s2 = grpo_lm.reward_model_scores(rm, padded_ids, padded_mask)
+    with torch.no_grad():
+        expected = rm(**a).logits.squeeze(-1)  # HF pools the last non-pad token too
+    torch.testing.assert_close(s1, expected)
+    torch.testing.assert_close(s2, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks and rewards
+# ---------------------------------------------------------------------------------------------
+def test_final_number_and_rewards():
+    assert common.extract_final_number("12 + 34 = 46.") == 46.0
+    assert common.extract_final_number("it is -1,234.5 now") == -1234.5
+    assert common.extract_final_number("__import__('os').system('x')") is None
+    task = common.make_addition_task(num_test=16, format_reward=0.1)
+    assert len(task.test) == 16 and len(task.train) == 90 * 90 - 16
+    assert task.reward_fn("12 + 13 = 25", {"answer": "25"}) == pytest.approx(1.1)
+    assert task.reward_fn("25, I think so", {"answer": "25"}) == pytest.approx(1.0)
+    assert task.reward_fn("26", {"answer": "25"}) == pytest.approx(0.1)
+
+
+def test_gsm8k_loader_real_file_and_errors(tmp_path):
+    real = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+    if real.is_file():
+        task = common.load_gsm8k_jsonl(real, num_test=128)
+        assert len(task.train) + len(task.test) == 7473
+        assert all(common.extract_final_number(ex["answer"]) is not None for ex in task.test)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "a #### 3"}) + "\n{not json\n")
+    with pytest.raises(common.UsageError, match=r"bad.jsonl:2: not valid JSON"):
+        common.load_gsm8k_jsonl(bad, num_test=0)
+    bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
+    with pytest.raises(common.UsageError, match=r"bad.jsonl:1: 'answer' must end with '#### N'"):
+        common.load_gsm8k_jsonl(bad, num_test=0)
+    with pytest.raises(common.UsageError, match="does not exist"):
+        common.load_gsm8k_jsonl(tmp_path / "missing.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning, CLI, resume, errors
+# ---------------------------------------------------------------------------------------------
+def digit_task() -> common.Task:
+    """Trivially learnable: the reward is the fraction of completion characters that are digits."""
+    examples = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(10)]
+
+    def digits(completion: str, example: dict) -> float:
+        return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+    return common.Task("digits", examples[8:], examples[:8], digits, common.number_matches)
+
+
+def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
+    base = dict(model_name_or_path=str(model_dir), runs_dir=str(tmp_path), run_name="run", prompts_per_step=4,
+                group_size=8, max_new_tokens=12, learning_rate=1e-2, temperature=1.0, eval_size=8,
+                eval_every=0, sample_every=0, save_every=0, total_steps=2, seed=3)
+    base.update(kw)
+    return grpo_lm.Args(**base)
+
+
+def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
+    history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=25), task=digit_task())
+    rewards = history["reward/mean"]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.35, rewards  # ~14 of 76 characters are digits at initialisation
+    assert last > first + 0.3, rewards
+    assert history["loss/kl"][-1] > 0  # the policy moved away from the reference
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=4, save_every=2, mu=2), task=digit_task())
+    grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, mu=2), task=digit_task())
+    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=4, mu=2,
+                                     resume=str(tmp_path / "b" / "run" / "checkpoint.pt")), task=digit_task())
+    for key in ("loss/policy", "reward/mean", "loss/kl", "optim/grad_norm"):
+        assert resumed[key] == pytest.approx(full[key][2:], rel=1e-5, abs=1e-7), key
+    assert abs(full["loss/policy"][3]) > 0  # a real, non-trivial loss was compared
+
+
+def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_path):
+    cmd = [sys.executable, str(ROOT / "grpo_lm.py"), "--model-name-or-path", str(tiny_model_dir), "--total-steps", "2",
+           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--eval-size", "4",
+           "--sample-every", "1", "--runs-dir", str(tmp_path), "--run-name", "cli", "--beta", "0.1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = tmp_path / "cli"
+    assert list(run.glob("events.out.tfevents.*")) and (run / "final_model" / "config.json").is_file()
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 2 and ckpt["args"]["group_size"] == 4
+    assert "step 2 samples" in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--group-size", "1"], "--group-size must be >= 2"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+        (["--model-name-or-path", "./no/such/model"], "--model-name-or-path: model directory ./no/such/model does not exist"),
+        (["--dataset", "missing.jsonl"], "--dataset: dataset file missing.jsonl does not exist"),
+        (["--resume", "nothing.pt"], "--resume: checkpoint file nothing.pt does not exist"),
+    ],
+)
+def test_cli_bad_input_is_one_line(flags, message, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "grpo_lm.py"), *flags], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == f"error: {message}" or message in out.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in out.stderr
+
+
+def test_raising_reward_function_is_reported_and_saved_work_kept(tiny_model_dir, tmp_path):
+    task = digit_task()
+    grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1), task=task)
+    ckpt = tmp_path / "run" / "checkpoint.pt"
+    before = ckpt.stat().st_mtime_ns
+
+    def broken(completion, example):
+        raise KeyError("score")
+
+    task.reward_fn = broken
+    with pytest.raises(common.UsageError, match=r"reward function of task 'digits' raised KeyError"):
+        grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, resume=str(ckpt)), task=task)
+    assert ckpt.stat().st_mtime_ns == before and torch.load(ckpt, weights_only=False)["step"] == 1
