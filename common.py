@@ -119,6 +119,24 @@ def make_writer(run_dir: str | os.PathLike, args: Any):
     return writer
 
 
+def parse_args(args_cls: type, argv: list[str] | None = None):
+    """``tyro.cli(args_cls)``; with ``--resume PATH`` the flags default to that run's ``args.json``.
+
+    So ``python script.py --resume runs/x/checkpoint.pt`` continues with the flags it was started
+    with, and any flag given again (e.g. ``--total-steps``) overrides the saved value.
+    """
+    import tyro
+
+    args = tyro.cli(args_cls, args=argv)
+    saved = Path(args.resume).parent / "args.json" if getattr(args, "resume", None) else None
+    if saved is not None and saved.is_file():
+        names = {f.name for f in dataclasses.fields(args_cls)}
+        with open(saved) as f:
+            defaults = args_cls(**{k: v for k, v in json.load(f).items() if k in names})
+        args = tyro.cli(args_cls, args=argv, default=defaults)
+    return args
+
+
 def check(condition: bool, message: str) -> None:
     """Raise :class:`UsageError` with ``message`` unless ``condition`` holds."""
     if not condition:
@@ -358,3 +376,58 @@ def build_prompt(tokenizer, question: str) -> str:
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
         )
     return f"Question: {question}\nAnswer:"
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards and evaluation shared by the LM scripts
+# ----------------------------------------------------------------------------------------------
+def score_completions(task: Task, completions: list[str], examples: list[dict]) -> torch.Tensor:
+    """Verifiable rewards, (N,) float32; a raising reward function is a one-line UsageError."""
+    rewards = []
+    for text, example in zip(completions, examples):
+        try:
+            rewards.append(float(task.reward_fn(text, example)))
+        except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
+            raise UsageError(f"reward function of task {task.name!r} raised {type(e).__name__}: {e} "
+                             f"on completion {text[:60]!r}") from None
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    if not torch.isfinite(rewards).all():
+        raise UsageError(f"reward function of task {task.name!r} returned a non-finite reward")
+    return rewards
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar score of a sequence-classification reward model read at each sequence's last real token.
+
+    Args:
+        input_ids, attention_mask: (N, L) left-padded prompt + completion, padding after EOS masked.
+    Returns:
+        (N,) float32 scores.
+    Raises:
+        UsageError: the model has no ``score`` head (not a sequence-classification model).
+    """
+    if not hasattr(reward_model, "score"):
+        raise UsageError("--reward-model-path: expected a sequence-classification model with a 'score' head")
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = reward_model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids).last_hidden_state
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # index of the last real token
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
+
+
+@torch.no_grad()
+def greedy_accuracy(policy, tokenizer, examples: list[dict], correct_fn: Callable[[str, dict], bool],
+                    max_new_tokens: int, batch_size: int, device) -> tuple[float, list[str]]:
+    """Fraction of ``examples`` answered correctly with greedy decoding; returns (accuracy, completions)."""
+    correct, outputs = 0, []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start: start + batch_size]
+        enc = tokenizer([build_prompt(tokenizer, ex["question"]) for ex in batch], return_tensors="pt",
+                        padding=True, add_special_tokens=False).to(device)
+        out = policy.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None,
+                              temperature=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(correct_fn(text, ex) for text, ex in zip(texts, batch))
+        outputs += texts
+    return correct / len(examples), outputs

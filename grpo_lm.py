@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 from tqdm.auto import tqdm
 
 import common
@@ -240,58 +239,6 @@ def make_task(args: Args) -> common.Task:
     return common.make_addition_task(args.eval_size, args.format_reward)
 
 
-def score_completions(task: common.Task, completions: list[str], examples: list[dict]) -> torch.Tensor:
-    """Verifiable rewards, (N,) float32; a raising reward function is a one-line UsageError."""
-    rewards = []
-    for text, example in zip(completions, examples):
-        try:
-            rewards.append(float(task.reward_fn(text, example)))
-        except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
-            raise UsageError(f"reward function of task {task.name!r} raised {type(e).__name__}: {e} "
-                             f"on completion {text[:60]!r}") from None
-    rewards = torch.tensor(rewards, dtype=torch.float32)
-    if not torch.isfinite(rewards).all():
-        raise UsageError(f"reward function of task {task.name!r} returned a non-finite reward")
-    return rewards
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar score of a sequence-classification reward model read at each sequence's last real token.
-
-    Args:
-        input_ids, attention_mask: (N, L) left-padded prompt + completion, padding after EOS masked.
-    Returns:
-        (N,) float32 scores.
-    Raises:
-        UsageError: the model has no ``score`` head (not a sequence-classification model).
-    """
-    if not hasattr(reward_model, "score"):
-        raise UsageError("--reward-model-path: expected a sequence-classification model with a 'score' head")
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = reward_model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids).last_hidden_state
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # index of the last real token
-    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1).float()
-
-
-@torch.no_grad()
-def evaluate(policy, tokenizer, task: common.Task, args: Args, device) -> tuple[float, list[str]]:
-    """Greedy accuracy on the held-out split; returns (accuracy, completions)."""
-    examples = task.test[: args.eval_size]
-    correct, outputs = 0, []
-    for start in range(0, len(examples), args.eval_batch_size):
-        batch = examples[start: start + args.eval_batch_size]
-        enc = tokenizer([common.build_prompt(tokenizer, ex["question"]) for ex in batch], return_tensors="pt",
-                        padding=True, add_special_tokens=False).to(device)
-        out = policy.generate(**enc, do_sample=False, max_new_tokens=args.max_new_tokens, top_k=None, top_p=None,
-                              temperature=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        correct += sum(task.correct_fn(text, ex) for text, ex in zip(texts, batch))
-        outputs += texts
-    return correct / len(examples), outputs
-
-
 def save_checkpoint(path: Path, policy, optimizer, step: int, args: Args, reference=None) -> None:
     common.atomic_save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                         "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
@@ -351,7 +298,8 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading models above must not shift the RNG
     elif args.eval_size:
-        accuracy, _ = evaluate(policy, tokenizer, task, args, device)
+        accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                  args.max_new_tokens, args.eval_batch_size, device)
         log(0, {"eval/accuracy": accuracy})
         print(f"step 0: held-out greedy accuracy {accuracy:.3f}")
 
@@ -382,11 +330,11 @@ def main(args: Args, task: common.Task | None = None) -> dict:
             # ---- 2. Rewards: verifiable reward function or frozen reward model ----
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             if reward_model is not None:
-                rewards = torch.cat([reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
+                rewards = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
                                                          attention_mask[i: i + args.micro_batch_size]).cpu()
                                      for i in range(0, N, args.micro_batch_size)])
             else:
-                rewards = score_completions(task, completions, examples)
+                rewards = common.score_completions(task, completions, examples)
             correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
 
             # ---- 3. Outcome supervision: A_i,t = (r_i - mean(r)) / std(r) for every token t (§4.1.2) ----
@@ -453,7 +401,8 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                 writer.add_text("samples", text.replace("\n", "  \n"), step + 1)
             last = step + 1 == args.total_steps
             if args.eval_size and ((args.eval_every and (step + 1) % args.eval_every == 0) or last):
-                accuracy, _ = evaluate(policy, tokenizer, task, args, device)
+                accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                  args.max_new_tokens, args.eval_batch_size, device)
                 log(step + 1, {"eval/accuracy": accuracy})
                 tqdm.write(f"step {step + 1}: held-out greedy accuracy {accuracy:.3f}")
             if (args.save_every and (step + 1) % args.save_every == 0) or last:
@@ -470,4 +419,4 @@ def main(args: Args, task: common.Task | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    common.run_cli(lambda: main(tyro.cli(Args)))
+    common.run_cli(lambda: main(common.parse_args(Args)))

@@ -110,8 +110,8 @@ def test_reward_model_reads_the_last_real_token(tiny_reward_model_dir):
     a = tok(["12+3=15<eos>"], return_tensors="pt", add_special_tokens=False)
     padded_ids = torch.cat([a["input_ids"], torch.full((1, 3), tok.pad_token_id)], 1)
     padded_mask = torch.cat([a["attention_mask"], torch.zeros(1, 3, dtype=torch.long)], 1)
-    s1 = grpo_lm.reward_model_scores(rm, a["input_ids"], a["attention_mask"])
-    s2 = grpo_lm.reward_model_scores(rm, padded_ids, padded_mask)
+    s1 = common.reward_model_scores(rm, a["input_ids"], a["attention_mask"])
+    s2 = common.reward_model_scores(rm, padded_ids, padded_mask)
     with torch.no_grad():
         expected = rm(**a).logits.squeeze(-1)  # HF pools the last non-pad token too
     torch.testing.assert_close(s1, expected)
