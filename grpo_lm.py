@@ -341,27 +341,34 @@ def main(args: Args, task: common.Task | None = None) -> dict:
             advantages = group_advantages(rewards, G, args.adv_eps).to(device)
 
             # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
+            # Micro-batches hold sequences of similar completion length, each trimmed to its own longest
+            # prompt and completion: the loss is a sum over sequences, so grouping only saves padding.
             t1 = time.time()
+            order = torch.argsort(mask.sum(1), descending=True, stable=True)
+            micro_batches = []
+            for i in range(0, N, args.micro_batch_size):
+                idx = order[i: i + args.micro_batch_size]
+                first = int(attention_mask[idx, :P].any(0).float().argmax())  # first column with a real token
+                t_mb = int(mask[idx].sum(1).max())
+                micro_batches.append((idx, input_ids[idx, first: P + t_mb], attention_mask[idx, first: P + t_mb], t_mb))
             old_logp = torch.zeros(N, T, device=device)
             ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
             with torch.no_grad():
-                for i in range(0, N, args.micro_batch_size):
-                    mb = slice(i, i + args.micro_batch_size)
+                for idx, ids, att, t_mb in micro_batches:
                     if args.mu > 1:  # with mu = 1 pi_old = pi_theta, so ratio = 1: reuse logp.detach() below
-                        old_logp[mb] = token_log_probs(policy, input_ids[mb], attention_mask[mb], T, args.temperature)
+                        old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
                     if reference is not None:
-                        ref_logp[mb] = token_log_probs(reference, input_ids[mb], attention_mask[mb], T, args.temperature)
+                        ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
 
             # ---- 5. mu GRPO iterations: maximise eq. 3 over the batch (gradient accumulation) ----
             totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf}
             for _ in range(args.mu):
                 optimizer.zero_grad(set_to_none=True)
-                for i in range(0, N, args.micro_batch_size):
-                    mb = slice(i, i + args.micro_batch_size)
-                    logp = token_log_probs(policy, input_ids[mb], attention_mask[mb], T, args.temperature)
-                    old = old_logp[mb] if args.mu > 1 else logp.detach()
-                    loss, stats = grpo_loss(logp, old, ref_logp[mb] if ref_logp is not None else None,
-                                            advantages[mb], mask[mb], args.clip_range, args.beta, N)
+                for idx, ids, att, t_mb in micro_batches:
+                    logp = token_log_probs(policy, ids, att, t_mb, args.temperature)
+                    old = old_logp[idx, :t_mb] if args.mu > 1 else logp.detach()
+                    ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
+                    loss, stats = grpo_loss(logp, old, ref, advantages[idx], mask[idx, :t_mb], args.clip_range, args.beta, N)
                     if not torch.isfinite(loss):
                         raise UsageError(f"non-finite loss at step {step + 1}; lower --learning-rate "
                                          f"(the last checkpoint and {ckpt_path.name} are intact)")
@@ -389,6 +396,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                 "optim/grad_norm": grad_norm.item(), "optim/learning_rate": optimizer.param_groups[0]["lr"],
                 "time/generation_s": gen_time, "time/training_s": train_time,
                 "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
+                **common.peak_memory_gb(device),
             }
             log(step + 1, scalars)
             progress.set_postfix(reward=f"{scalars['reward/mean']:.3f}", kl=f"{scalars['loss/kl']:.4f}",
