@@ -137,13 +137,17 @@ def parse_args(args_cls: type, argv: list[str] | None = None):
     return args
 
 
-def peak_memory_gb(device: torch.device | str = "cpu") -> dict[str, float]:
-    """Peak memory so far, in GiB: resident set size of this process, and CUDA memory when on GPU."""
+def peak_memory_gb(device: torch.device | str | None = None) -> dict[str, float]:
+    """Peak memory so far in GiB, as loggable scalars.
+
+    ``memory/peak_rss_gb``: the process's peak resident set size (``ru_maxrss``); with a CUDA
+    ``device`` also ``memory/peak_cuda_gb``, the peak memory torch allocated on it.
+    """
     import resource
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     out = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30}
-    if torch.device(device).type == "cuda":
+    if device is not None and torch.device(device).type == "cuda":
         out["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
 
