@@ -446,3 +446,96 @@ def greedy_accuracy(policy, tokenizer, examples: list[dict], correct_fn: Callabl
         correct += sum(correct_fn(text, ex) for text, ex in zip(texts, batch))
         outputs += texts
     return correct / len(examples), outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Process supervision plumbing: a multi-step arithmetic task, checkable steps, char -> token offsets
+# ----------------------------------------------------------------------------------------------
+_STEP_NUM = r"\$?\d+(?:,\d{3})*(?:\.\d+)?"
+_STEP_TERM = rf"\(*\s*-?\s*{_STEP_NUM}\s*\)*"
+_STEP = re.compile(rf"(?<![\d.])({_STEP_TERM}(?:\s*[-+*/×]\s*{_STEP_TERM})+)\s*=\s*(-?\s*{_STEP_NUM})")
+
+
+def _arithmetic_value(expr: str) -> float | None:
+    """Value of ``expr`` made of numbers, + - * / and parentheses, or None if it is not one.
+
+    The text is parsed with :mod:`ast` and only number literals, the four operators and unary
+    minus are interpreted; nothing is ever evaluated as Python.
+    """
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return float(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = value(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            a, b = value(node.left), value(node.right)
+            ops = {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}
+            return ops[type(node.op)] if type(node.op) in ops else a / b
+        raise ValueError("not arithmetic")
+
+    try:
+        return value(ast.parse(expr.replace("$", "").replace(",", "").replace("×", "*").strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+        return None
+
+
+def find_arithmetic_steps(text: str) -> list[tuple[int, bool]]:
+    """Every equation ``x op y (op z ...) = w`` in ``text``, as (end character offset, correct?).
+
+    A step is a left-hand side of numbers joined by ``+ - * / ×`` (parentheses and ``$`` allowed,
+    ``1,234`` read as 1234) followed by ``= number``; it is correct when the left-hand side equals
+    the number (relative tolerance 1e-4). The end offset is that of the character after the last
+    digit (``re.Match.end()``). GSM8K calculator annotations ``<<48/2=24>>`` count as steps too.
+    """
+    import math
+
+    steps = []
+    for m in _STEP.finditer(text):
+        lhs, rhs = _arithmetic_value(m.group(1)), _arithmetic_value(m.group(2).replace(" ", ""))
+        ok = lhs is not None and rhs is not None and math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
+        steps.append((m.end(), ok))
+    return steps
+
+
+def arithmetic_step_rewards(completion: str, example: dict) -> list[tuple[int, float]]:
+    """Step rewards for process supervision: 1.0 per correct equation, 0.0 per wrong one, at its end offset."""
+    return [(end, float(ok)) for end, ok in find_arithmetic_steps(completion)]
+
+
+def make_multistep_task(num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234,
+                        num_problems: int = 10_000) -> Task:
+    """"Compute (a + b) * c - d" with one checkable calculation per line; a fixed held-out split.
+
+    a, b, d in 1..20 and c in 2..9; each example also carries the reference ``solution``
+    ("a + b = s", "s * c = p", "p - d = answer", one a line). The reward is the final-number reward.
+    """
+    rng = random.Random(split_seed)
+    problems, seen = [], set()
+    while len(problems) < num_problems:
+        a, b, c, d = rng.randint(1, 20), rng.randint(1, 20), rng.randint(2, 9), rng.randint(1, 20)
+        if (a, b, c, d) in seen:
+            continue
+        seen.add((a, b, c, d))
+        s, p = a + b, (a + b) * c
+        problems.append({"question": f"Compute ({a} + {b}) * {c} - {d}. Write each calculation on its own line "
+                                     f"in the form x + y = z, and end with the result.",
+                         "answer": str(p - d), "solution": f"{a} + {b} = {s}\n{s} * {c} = {p}\n{p} - {d} = {p - d}"})
+    reward = functools.partial(outcome_reward, format_reward=format_reward)
+    return Task("multistep", problems[num_test:], problems[:num_test], reward, number_matches)
+
+
+def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[int]) -> list[int]:
+    """Index of the token in which each character offset ``char_ends[k]`` (exclusive end) falls.
+
+    The decoded text of ``token_ids`` is the one the steps were found in; the token that completes
+    character ``end - 1`` is the first whose decoded prefix ``decode(token_ids[:k + 1])`` has at
+    least ``end`` characters. Offsets past the text map to the last token.
+    """
+    import bisect
+
+    prefix_lengths = [len(t) for t in tokenizer.batch_decode([token_ids[: k + 1] for k in range(len(token_ids))],
+                                                             skip_special_tokens=True)]
+    return [min(bisect.bisect_left(prefix_lengths, end), len(token_ids) - 1) for end in char_ends]

@@ -10,15 +10,27 @@ and maximise the clipped surrogate with a k3 KL penalty to a frozen reference mo
   ratio_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t),
   KL_it    = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                                     (eq. 4)
 
-No value model. Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
+No value model. With --mu > 1 the batch is reused for mu updates: pi_old is the policy that sampled
+it, so ratio_it uses the old log probs stored once before the first update (step 4); with mu = 1
+pi_old = pi_theta and ratio_it = 1 (its gradient is still that of eq. 3).
+
+Every flag below defaults to the paper's GRPO; the refinements slot into the numbered steps:
+  --supervision process     §4.1.3: per-step rewards, A_it = sum of normalised step rewards ending >= t
+  --iterations K            Algorithm 1: the reference is reset to the policy at every iteration;
+  --train-reward-model      ... and a reward model is trained on each iteration's samples (10% replay)
+  --loss-type / --scale-rewards / --clip-range-high / --importance-sampling-level / --dynamic-sampling /
+  --overlong-buffer / --mask-truncated-completions:  Dr. GRPO (arXiv 2503.20783), DAPO (arXiv 2503.14476),
+                            GSPO (arXiv 2507.18071)
+
+Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +60,10 @@ class Args:
     model_name_or_path: str = common.DEFAULT_MODEL
     """policy to train: a local directory or Hub id of a causal LM (default: offline SmolLM2-135M-Instruct)"""
     reward_model_path: str | None = None
-    """frozen sequence-classification reward model scored at the last token (default: the task's verifiable reward)"""
+    """sequence-classification reward model scored at the last token (default: the task's verifiable reward); frozen unless --train-reward-model"""
     # --- task ---
     task: str = "addition"
-    """built-in verifiable task: 'addition' ("What is a + b?" with two-digit a, b)"""
+    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b) or 'multistep' ("Compute (a + b) * c - d")"""
     dataset: str | None = None
     """GSM8K-format JSONL file ('question', 'answer' ending in '#### N'); overrides --task"""
     format_reward: float = 0.0
@@ -88,6 +100,38 @@ class Args:
     """AdamW weight decay"""
     adv_eps: float = 1e-4
     """added to the group std: a group with equal rewards gets advantage 0, never NaN"""
+    # --- supervision and iterative RL (DeepSeekMath §4.1.3, §4.1.4, Algorithm 1) ---
+    supervision: str = "outcome"
+    """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked equations, §4.1.3)"""
+    iterations: int = 1
+    """Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference <- policy"""
+    train_reward_model: bool = False
+    """score with a reward model (--reward-model-path or the policy backbone) and train it after every iteration"""
+    rm_replay_ratio: float = 0.1
+    """fraction of each reward-model training set drawn from earlier iterations' samples (replay)"""
+    rm_learning_rate: float = 1e-5
+    """AdamW learning rate of the reward model"""
+    rm_epochs: int = 1
+    """passes over each iteration's reward-model training set (minibatches of --micro-batch-size)"""
+    rm_eval_fraction: float = 0.25
+    """fraction of each iteration's samples held out to measure the reward model's accuracy"""
+    # --- variants (all default to the paper's GRPO) ---
+    loss_type: str = "grpo"
+    """'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B * max len)), 'dapo' (token mean over the batch)"""
+    scale_rewards: str = "group"
+    """divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)"""
+    clip_range_high: float | None = None
+    """upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range"""
+    importance_sampling_level: str = "token"
+    """'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more questions until the batch is full"""
+    max_sampling_rounds: int = 4
+    """with --dynamic-sampling: sampling rounds per step at most; then the batch is topped up with dropped groups"""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 = off)"""
+    mask_truncated_completions: bool = False
+    """completions that never emitted EOS take no part in the loss (DAPO overlong filtering)"""
     # --- logging, evaluation, checkpoints ---
     eval_every: int = 10
     """greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)"""
@@ -143,24 +187,105 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return torch.gather(logits.log_softmax(-1), 2, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
     """Outcome-supervision advantages (DeepSeekMath §4.1.2): ``(r_i - mean(r)) / (std(r) + eps)``.
 
     Mean and (unbiased) std are taken over the G outputs of the same question. A group whose
     rewards are all equal gets advantage 0: it carries no signal about which output is better.
+    ``scale="batch"`` divides by the std of the whole batch instead (the group mean is still
+    subtracted); ``scale="none"`` only centres, ``r_i - mean(r)`` (Dr. GRPO, arXiv 2503.20783 §3.1:
+    the std division up-weights questions that are too easy or too hard).
 
     Args:
         rewards: (B * G,) one scalar per completion, the G completions of a question contiguous.
     Returns:
         (B * G,) advantage of every completion, shared by all its tokens.
     Raises:
-        ValueError: ``rewards`` cannot be split into groups of ``group_size``.
+        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown ``scale``.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     grouped = rewards.view(-1, group_size)
     mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
+    if scale == "none":
+        return (grouped - mean).view(-1)
+    if scale == "batch":
+        std = rewards.std()
     return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_end: torch.Tensor, num_sequences: int,
+                       num_tokens: int, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
+    """Process-supervision advantages (DeepSeekMath §4.1.3), one per token.
+
+    The rewards of all steps of the G outputs of a question are normalised together,
+    ``r~_j = (r_j - mean) / (std + eps)`` (unbiased std over those steps); then
+    ``A_i,t = sum of r~_j over the steps j of output i that end at or after token t``.
+    ``scale`` as in :func:`group_advantages` ("batch": std over every step of the batch; "none":
+    no division). The caller makes the final answer one more step, ending at the last token, with
+    the outcome reward: a completion without checkable steps then falls back to its outcome reward.
+
+    Args:
+        step_rewards: (S,) reward of every step of every completion.
+        step_seq: (S,) long, the completion i (0..B*G-1) each step belongs to.
+        step_end: (S,) long, the index t of the step's last token in its completion.
+        num_sequences: B * G; num_tokens: T, the width of the returned tensor.
+    Returns:
+        (B * G, T) advantages; tokens after the last step (padding) get 0.
+    Raises:
+        ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``/group size.
+    """
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
+    if num_sequences % group_size or torch.bincount(step_seq, minlength=num_sequences).min() < 1:
+        raise ValueError("every completion needs at least one step (its final answer), in groups of group_size")
+    if step_end.min() < 0 or step_end.max() >= num_tokens:
+        raise ValueError(f"step ends must lie in [0, {num_tokens})")
+    group = step_seq // group_size
+    normalised = torch.empty_like(step_rewards)
+    for g in range(num_sequences // group_size):
+        r = step_rewards[group == g]
+        centred = r - r.mean()
+        normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
+    if scale == "batch":
+        normalised = normalised / (step_rewards.std() + eps)
+    at_end = torch.zeros(num_sequences, num_tokens, dtype=step_rewards.dtype)
+    at_end.index_put_((step_seq, step_end), normalised, accumulate=True)  # r~_j placed at the step's last token
+    return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4 "Overlong Reward Shaping"), added to the reward.
+
+    ``0`` for ``|o| <= L_max - L_cache``; ``((L_max - L_cache) - |o|) / L_cache`` inside the last
+    ``L_cache`` tokens, reaching ``-1`` at ``L_max`` (a completion cannot be longer here).
+
+    Args:
+        lengths: (N,) completion lengths |o| in tokens (the EOS included).
+        max_length: L_max (``--max-new-tokens``); buffer: L_cache (``--overlong-buffer``, 0 = off).
+    Returns:
+        (N,) penalties in [-1, 0].
+    """
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    return (((max_length - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
+
+
+def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator) -> list:
+    """Reward-model training set of one iteration (DeepSeekMath Algorithm 1, §4.1.4): new + replay.
+
+    ``round(len(new) * ratio / (1 - ratio))`` samples (at most all of ``history``) are drawn
+    without replacement from earlier iterations, so they make up ``ratio`` of the result.
+
+    Raises:
+        ValueError: ``ratio`` outside [0, 1).
+    """
+    if not 0 <= ratio < 1:
+        raise ValueError(f"replay ratio must be in [0, 1), not {ratio}")
+    k = min(len(history), round(len(new) * ratio / (1 - ratio)))
+    return list(new) + [history[i] for i in rng.choice(len(history), k, replace=False)]
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -178,40 +303,77 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
-              mask: torch.Tensor, clip_range: float, beta: float, num_sequences: int):
+              mask: torch.Tensor, clip_range: float, beta: float, num_sequences: int, *, loss_type: str = "grpo",
+              clip_range_high: float | None = None, importance_sampling_level: str = "token",
+              num_tokens: float | None = None, max_completion_length: int | None = None):
     """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
 
-    Per token: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) - beta * KL``; per sequence the
-    mean over its ``|o_i|`` valid tokens; the sum over the micro-batch divided by the number of
-    sequences in the whole batch, so the micro-batch losses add up to ``-J``.
+    Per token: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
+    ``eps_high = clip_range_high``, DAPO §3.1 "Clip-Higher", defaults to eps). ``ratio`` uses
+    ``old_logp``, the log probs stored before the first of the mu updates (with mu = 1 they equal
+    ``logp.detach()``). GSPO (arXiv 2507.18071, §4, ``s_i``), ``importance_sampling_level="sequence"``:
+    one ratio per completion, ``exp(mean_t(logp - old_logp))`` over its valid tokens.
+    The masked per-token terms are then aggregated by ``loss_type``, always so that the
+    micro-batch losses add up to the loss of the whole batch:
+
+    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences`` (eq. 3).
+    - ``bnpo``: token mean within this micro-batch, weighted by its share ``b / num_sequences`` of the
+      sequences; depends on micro-batching (micro-batches hold sequences of similar length) and
+      equals ``dapo`` when one micro-batch holds the whole batch.
+    - ``dr_grpo``: token sum / (``num_sequences * max_completion_length``) (Dr. GRPO, arXiv 2503.20783 §3.1: eq. 3 without 1/|o_i|).
+    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3, token-level loss).
 
     Args:
         logp: (b, T) log probs under the policy being trained (with grad).
         old_logp: (b, T) log probs under pi_old, the policy that sampled the batch.
         ref_logp: (b, T) log probs under the reference model, or None when ``beta == 0``.
-        advantages: (b,) one advantage per sequence, broadcast to its tokens.
-        mask: (b, T) 1 for completion tokens up to and including the first EOS.
+        advantages: (b,) one advantage per sequence (outcome) or (b, T) one per token (process).
+        mask: (b, T) 1 for the tokens that take part in the loss (completion up to its first EOS).
         num_sequences: B * G, sequences in the whole batch.
+        num_tokens: ``mask`` summed over the whole batch (``dapo``).
+        max_completion_length: ``--max-new-tokens`` (``dr_grpo``).
     Returns:
         (loss, stats): the scalar loss and a dict of detached per-token statistics.
+    Raises:
+        ValueError: unknown ``loss_type`` / ``importance_sampling_level``, or the count it needs is missing.
     """
-    ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(1)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_range, 1 + clip_range) * adv)
+    log_ratio = logp - old_logp
+    if importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)  # (b, 1), GSPO s_i
+    elif importance_sampling_level != "token":
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', not {importance_sampling_level!r}")
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
+    high = clip_range if clip_range_high is None else clip_range_high
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_range, 1 + high) * adv)
     per_token = surrogate
     kl = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
     if beta:
         per_token = per_token - beta * kl  # KL in the loss, not in the reward (§4.1.1)
-    lengths = mask.sum(1).clamp(min=1)  # |o_i|
-    per_sequence = (per_token * mask).sum(1) / lengths
-    loss = -per_sequence.sum() / num_sequences
+    if loss_type == "grpo":
+        lengths = mask.sum(1).clamp(min=1)  # |o_i|
+        per_sequence = (per_token * mask).sum(1) / lengths
+        loss = -per_sequence.sum() / num_sequences
+    elif loss_type == "bnpo":
+        loss = -(per_token * mask).sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
+    elif loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+        loss = -(per_token * mask).sum() / (num_sequences * max_completion_length)
+    elif loss_type == "dapo":
+        if num_tokens is None:
+            raise ValueError("loss_type 'dapo' needs num_tokens, the valid tokens of the whole batch")
+        loss = -(per_token * mask).sum() / max(float(num_tokens), 1.0)
+    else:
+        raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {loss_type!r}")
     with torch.no_grad():
-        clipped = ((adv > 0) & (ratio > 1 + clip_range)) | ((adv < 0) & (ratio < 1 - clip_range))
+        clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - clip_range))
         valid = mask.bool()
+        token_ratio = ratio.expand_as(logp)
         stats = {
             "kl": (kl * mask).sum(), "clipped": (clipped.float() * mask).sum(), "tokens": mask.sum(),
-            "ratio_min": ratio[valid].min() if valid.any() else ratio.new_tensor(1.0),
-            "ratio_max": ratio[valid].max() if valid.any() else ratio.new_tensor(1.0),
+            "ratio_min": token_ratio[valid].min() if valid.any() else ratio.new_tensor(1.0),
+            "ratio_max": token_ratio[valid].max() if valid.any() else ratio.new_tensor(1.0),
         }
     return loss, stats
 
@@ -223,32 +385,124 @@ def validate(args: Args) -> None:
     """One-line errors for flag values that cannot work."""
     check(args.group_size >= 2, "--group-size must be >= 2: group-relative advantages need at least two outputs")
     for flag in ("total_steps", "prompts_per_step", "max_new_tokens", "max_prompt_length", "mu",
-                 "micro_batch_size", "eval_size", "eval_batch_size"):
+                 "micro_batch_size", "eval_size", "eval_batch_size", "iterations", "rm_epochs", "max_sampling_rounds"):
         check(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be a positive integer")
     check(args.temperature > 0, "--temperature must be > 0")
     check(0 < args.top_p <= 1, "--top-p must be in (0, 1]")
     check(args.beta >= 0, "--beta must be >= 0")
     check(0 < args.clip_range < 1, "--clip-range must be in (0, 1)")
     check(args.learning_rate > 0, "--learning-rate must be > 0")
-    check(args.task == "addition" or args.dataset is not None, f"--task: unknown task {args.task!r}; built in: 'addition' (or use --dataset)")
+    check(args.task in ("addition", "multistep") or args.dataset is not None,
+          f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep' (or use --dataset)")
+    check(args.supervision in ("outcome", "process"), f"--supervision must be 'outcome' or 'process', not {args.supervision!r}")
+    check(args.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"),
+          f"--loss-type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {args.loss_type!r}")
+    check(args.scale_rewards in ("group", "batch", "none"), f"--scale-rewards must be 'group', 'batch' or 'none', not {args.scale_rewards!r}")
+    check(args.importance_sampling_level in ("token", "sequence"),
+          f"--importance-sampling-level must be 'token' or 'sequence', not {args.importance_sampling_level!r}")
+    check(args.clip_range_high is None or args.clip_range_high > 0, "--clip-range-high must be > 0")
+    check(0 <= args.overlong_buffer < args.max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)")
+    check(args.total_steps % args.iterations == 0, f"--iterations {args.iterations} must divide --total-steps {args.total_steps}")
+    check(0 <= args.rm_replay_ratio < 1, "--rm-replay-ratio must be in [0, 1)")
+    check(0 <= args.rm_eval_fraction < 1, "--rm-eval-fraction must be in [0, 1)")
+    check(args.rm_learning_rate > 0, "--rm-learning-rate must be > 0")
 
 
 def make_task(args: Args) -> common.Task:
     if args.dataset is not None:
         return common.load_gsm8k_jsonl(args.dataset, args.eval_size, args.format_reward)
+    if args.task == "multistep":
+        return common.make_multistep_task(args.eval_size, args.format_reward)
     return common.make_addition_task(args.eval_size, args.format_reward)
 
 
-def save_checkpoint(path: Path, policy, optimizer, step: int, args: Args, reference=None) -> None:
+def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task, reward_model, args: Args, device) -> dict:
+    """Steps 1-2 for one list of questions (each repeated G times): sample completions and reward them.
+
+    Returns a dict of (N, P) left-padded ``prompt_ids``/``prompt_mask``, (N, T) ``completion_ids``
+    (padded after the first EOS) and ``mask``, the decoded ``completions``, the ``examples``, the
+    (N,) ``rewards`` used for the advantages (reward model scores when there is one), the
+    ``verifiable`` rewards (None when a frozen reward model makes them unnecessary) and ``correct``.
+    """
+    prompts = [common.build_prompt(tokenizer, ex["question"]) for ex in examples]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    with torch.no_grad():
+        sequences = policy.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
+                                    top_k=0, max_new_tokens=args.max_new_tokens,
+                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    P = enc["input_ids"].shape[1]
+    completion_ids = sequences[:, P:]
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
+    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    verifiable = None
+    if reward_model is None or args.train_reward_model:
+        verifiable = common.score_completions(task, completions, examples)
+    if reward_model is not None:
+        input_ids = torch.cat([enc["input_ids"], completion_ids], 1)
+        attention_mask = torch.cat([enc["attention_mask"], mask.long()], 1)
+        mb = args.micro_batch_size
+        rewards = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + mb], attention_mask[i: i + mb]).cpu()
+                             for i in range(0, len(examples), mb)])
+    else:
+        rewards = verifiable
+    correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
+    return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion_ids,
+            "mask": mask, "completions": completions, "examples": examples, "rewards": rewards,
+            "verifiable": verifiable, "correct": correct}
+
+
+def merge_groups(batches: list[dict], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int) -> dict:
+    """One batch made of the groups ``chosen`` = [(batch index, group index), ...], re-padded.
+
+    Prompts stay left-padded and completions right-padded, to the widest of the chosen rows.
+    """
+    rows = [(batches[b], slice(g * group_size, (g + 1) * group_size)) for b, g in chosen]
+    P = max(b["prompt_ids"].shape[1] for b, _ in rows)
+    T = max(b["completion_ids"].shape[1] for b, _ in rows)
+    out = {}
+    for key, width, value, left in (("prompt_ids", P, pad_token_id, True), ("prompt_mask", P, 0, True),
+                                    ("completion_ids", T, pad_token_id, False), ("mask", T, 0, False)):
+        parts = [b[key][r] for b, r in rows]
+        out[key] = torch.cat([F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+                              for x in parts])
+    for key in ("rewards", "verifiable", "correct"):
+        out[key] = None if rows[0][0][key] is None else torch.cat([b[key][r] for b, r in rows])
+    for key in ("completions", "examples"):
+        out[key] = [x for b, r in rows for x in b[key][r]]
+    return out
+
+
+def pad_left(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token-id lists into (N, L) ``input_ids`` and ``attention_mask``."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], device=device)
+    att = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return ids, att
+
+
+def reward_model_accuracy(reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device) -> tuple[float, float]:
+    """(accuracy, MSE) of the reward model on labelled samples; accurate = |score - label| < 0.5."""
+    scores = torch.cat([common.reward_model_scores(reward_model, *pad_left([s["ids"] for s in samples[i: i + batch_size]],
+                                                                           pad_token_id, device)).cpu()
+                        for i in range(0, len(samples), batch_size)])
+    labels = torch.tensor([s["label"] for s in samples])
+    return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(scores, labels).item()
+
+
+def save_checkpoint(path: Path, policy, optimizer, step: int, args: Args, reference=None, **extra) -> None:
     common.atomic_save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                         "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
-                        "reference": reference.state_dict() if reference is not None else None}, path)
+                        "reference": reference.state_dict() if reference is not None else None, **extra}, path)
 
 
-def main(args: Args, task: common.Task | None = None) -> dict:
+def main(args: Args, task: common.Task | None = None,
+         step_reward_fn: Callable[[str, dict], list[tuple[int, float]]] = common.arithmetic_step_rewards) -> dict:
     """Train with GRPO; returns the per-step history of logged scalars (for tests and notebooks).
 
     ``task`` replaces the built-in task: any :class:`common.Task` with your own reward function.
+    ``step_reward_fn(completion, example) -> [(end character offset, reward), ...]`` gives the step
+    rewards of ``--supervision process`` (default: every equation ``x op y = z`` checked).
     """
     validate(args)
     if args.torch_threads:
@@ -263,10 +517,15 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     reference = None
     if args.beta > 0:
         reference = common.load_model(args.model_name_or_path, device=device).eval().requires_grad_(False)
-    reward_model = None
+    reward_model, rm_optimizer = None, None
     if args.reward_model_path:
         reward_model = common.load_model(args.reward_model_path, kind="reward", device=device,
                                          flag="--reward-model-path").eval().requires_grad_(False)
+    elif args.train_reward_model:  # Algorithm 1: the reward model starts from the policy's backbone (new score head)
+        reward_model = common.load_model(args.model_name_or_path, kind="reward", device=device).eval()
+    if args.train_reward_model:
+        reward_model.requires_grad_(True)
+        rm_optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.rm_learning_rate)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
 
     task = task or make_task(args)
@@ -277,11 +536,17 @@ def main(args: Args, task: common.Task | None = None) -> dict:
           f"training prompts fit, fewer than --prompts-per-step {args.prompts_per_step}")
 
     start_step = 0
+    rm_new: list[dict] = []  # this iteration's reward-model samples: {"ids": prompt + completion, "label": verifiable reward}
+    rm_replay: list[dict] = []  # every earlier iteration's training samples, for the replay mix
     if checkpoint is not None:
         policy.load_state_dict(checkpoint["policy"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         if reference is not None and checkpoint.get("reference") is not None:
             reference.load_state_dict(checkpoint["reference"])
+        if rm_optimizer is not None and checkpoint.get("reward_model") is not None:
+            reward_model.load_state_dict(checkpoint["reward_model"])
+            rm_optimizer.load_state_dict(checkpoint["rm_optimizer"])
+            rm_new, rm_replay = checkpoint["rm_new"], checkpoint["rm_replay"]
         start_step = checkpoint["step"]
         run_dir = Path(args.resume).parent
     else:
@@ -304,45 +569,77 @@ def main(args: Args, task: common.Task | None = None) -> dict:
         print(f"step 0: held-out greedy accuracy {accuracy:.3f}")
 
     G, N = args.group_size, args.prompts_per_step * args.group_size
+    steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1, in steps
     progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc="grpo")
     step = start_step
     try:
         for step in progress:
+            # ---- 0. Algorithm 1: each iteration starts with reference <- policy (iteration 1: the initial policy) ----
+            if reference is not None and step > 0 and step % steps_per_iteration == 0:
+                reference.load_state_dict(policy.state_dict())
+
             # ---- 1. Sample G outputs per question from pi_old = the current policy (Algorithm 1) ----
+            # ---- 2. Rewards: verifiable reward function or reward model (inside sample_and_score) ----
+            # DAPO dynamic sampling (§3.2): keep only groups whose rewards differ, sample new questions until
+            # --prompts-per-step such groups are found or --max-sampling-rounds is reached, then top up the batch
+            # with dropped groups (advantage 0; they still carry the KL term), so every batch has N sequences.
             t0 = time.time()
-            picks = np.random.default_rng([args.seed, step]).choice(len(train), args.prompts_per_step, replace=False)
-            examples = [train[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-            prompts = [common.build_prompt(tokenizer, ex["question"]) for ex in examples]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with torch.no_grad():
-                sequences = policy.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
-                                            top_k=0, max_new_tokens=args.max_new_tokens,
-                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            P = enc["input_ids"].shape[1]
-            completion_ids = sequences[:, P:]
-            mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
-            completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-            input_ids = torch.cat([enc["input_ids"], completion_ids], 1)
-            attention_mask = torch.cat([enc["attention_mask"], mask.long()], 1)
-            T = completion_ids.shape[1]
+            rounds, varied = [], []
+            for r in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
+                picks = np.random.default_rng([args.seed, step] + ([r] if r else [])).choice(
+                    len(train), args.prompts_per_step, replace=False)
+                examples = [train[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
+                rounds.append(sample_and_score(policy, tokenizer, examples, task, reward_model, args, device))
+                grouped = rounds[-1]["rewards"].view(-1, G)
+                varied += [(r, g) for g in range(args.prompts_per_step) if grouped[g].max() > grouped[g].min()]
+                if len(varied) >= args.prompts_per_step:
+                    break
+            if args.dynamic_sampling:
+                dropped = [(r, g) for r in range(len(rounds)) for g in range(args.prompts_per_step) if (r, g) not in varied]
+                batch = merge_groups(rounds, (varied + dropped)[: args.prompts_per_step], G, tokenizer.pad_token_id)
+            else:
+                batch = rounds[0]
+            completion_ids, mask, completions, examples = batch["completion_ids"], batch["mask"], batch["completions"], batch["examples"]
+            input_ids = torch.cat([batch["prompt_ids"], completion_ids], 1)
+            attention_mask = torch.cat([batch["prompt_mask"], mask.long()], 1)
+            P, T = batch["prompt_ids"].shape[1], completion_ids.shape[1]
+            rewards, correct = batch["rewards"], batch["correct"]
+            lengths = mask.sum(1)
+            truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1)  # never emitted EOS
+            if args.overlong_buffer:  # DAPO soft overlong punishment (§3.4)
+                rewards = rewards + overlong_penalty(lengths.cpu(), args.max_new_tokens, args.overlong_buffer)
+            if args.train_reward_model:  # Algorithm 1: this iteration's samples, labelled by the verifiable reward
+                rm_new += [{"ids": input_ids[i][attention_mask[i].bool()].tolist(), "label": batch["verifiable"][i].item()}
+                           for i in range(N)]
             gen_time = time.time() - t0
 
-            # ---- 2. Rewards: verifiable reward function or frozen reward model ----
-            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            if reward_model is not None:
-                rewards = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
-                                                         attention_mask[i: i + args.micro_batch_size]).cpu()
-                                     for i in range(0, N, args.micro_batch_size)])
+            # ---- 3. Advantages ----
+            if args.supervision == "process":
+                # Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as a last
+                # step with the outcome reward, normalised over the G outputs; A_i,t sums the steps ending at or after t.
+                step_r, step_i, step_t = [], [], []
+                for i, (text, ex) in enumerate(zip(completions, examples)):
+                    n_i = int(lengths[i])
+                    try:
+                        steps = [(int(end), float(reward)) for end, reward in step_reward_fn(text, ex)]
+                    except Exception as e:  # noqa: BLE001 - user code fails the same way as a reward function
+                        raise UsageError(f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}") from None
+                    ends = common.char_ends_to_token_indices(tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps])
+                    step_r += [reward for _, reward in steps] + [rewards[i].item()]
+                    step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
+                    step_i += [i] * (len(steps) + 1)
+                advantages = process_advantages(torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t), N, T, G,
+                                                args.adv_eps, args.scale_rewards).to(device)
             else:
-                rewards = common.score_completions(task, completions, examples)
-            correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
-
-            # ---- 3. Outcome supervision: A_i,t = (r_i - mean(r)) / std(r) for every token t (§4.1.2) ----
-            advantages = group_advantages(rewards, G, args.adv_eps).to(device)
+                # Outcome supervision: A_i,t = (r_i - mean(r)) / std(r) for every token t (§4.1.2)
+                advantages = group_advantages(rewards, G, args.adv_eps, args.scale_rewards).to(device)
+            # DAPO overlong filtering: completions cut at --max-new-tokens take no part in the loss
+            loss_mask = mask * (~truncated).float().unsqueeze(1) if args.mask_truncated_completions else mask
 
             # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
             # Micro-batches hold sequences of similar completion length, each trimmed to its own longest
-            # prompt and completion: the loss is a sum over sequences, so grouping only saves padding.
+            # prompt and completion: the loss is a sum over sequences, so grouping only saves padding
+            # (except for --loss-type bnpo, whose token mean is taken per micro-batch).
             t1 = time.time()
             order = torch.argsort(mask.sum(1), descending=True, stable=True)
             micro_batches = []
@@ -361,6 +658,10 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                         ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
 
             # ---- 5. mu GRPO iterations: maximise eq. 3 over the batch (gradient accumulation) ----
+            # For mu > 1 the ratio uses old_logp stored in step 4: pi_old stays the sampling policy for all mu updates.
+            loss_kw = {"loss_type": args.loss_type, "clip_range_high": args.clip_range_high,
+                       "importance_sampling_level": args.importance_sampling_level,
+                       "num_tokens": loss_mask.sum().item(), "max_completion_length": args.max_new_tokens}
             totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf}
             for _ in range(args.mu):
                 optimizer.zero_grad(set_to_none=True)
@@ -368,7 +669,8 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                     logp = token_log_probs(policy, ids, att, t_mb, args.temperature)
                     old = old_logp[idx, :t_mb] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
-                    loss, stats = grpo_loss(logp, old, ref, advantages[idx], mask[idx, :t_mb], args.clip_range, args.beta, N)
+                    adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t_mb]
+                    loss, stats = grpo_loss(logp, old, ref, adv, loss_mask[idx, :t_mb], args.clip_range, args.beta, N, **loss_kw)
                     if not torch.isfinite(loss):
                         raise UsageError(f"non-finite loss at step {step + 1}; lower --learning-rate "
                                          f"(the last checkpoint and {ckpt_path.name} are intact)")
@@ -382,9 +684,37 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                 optimizer.step()
             train_time = time.time() - t1
 
+            # ---- 6. Algorithm 1: at the end of an iteration, train the reward model on its samples + replay ----
+            if args.train_reward_model and (step + 1) % steps_per_iteration == 0:
+                rng = np.random.default_rng([args.seed, step + 1, 1])
+                shuffled = [rm_new[i] for i in rng.permutation(len(rm_new))]
+                n_eval = int(len(shuffled) * args.rm_eval_fraction)
+                held_out, fresh = shuffled[:n_eval], shuffled[n_eval:]
+                rm_data = replay_mix(fresh, rm_replay, args.rm_replay_ratio, rng)
+                rm_before = reward_model_accuracy(reward_model, held_out, tokenizer.pad_token_id, args.micro_batch_size, device) if held_out else None
+                for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
+                    order_rm = rng.permutation(len(rm_data))
+                    for i in range(0, len(rm_data), args.micro_batch_size):
+                        chunk = [rm_data[j] for j in order_rm[i: i + args.micro_batch_size]]
+                        ids, att = pad_left([c["ids"] for c in chunk], tokenizer.pad_token_id, device)
+                        hidden = reward_model.base_model(input_ids=ids, attention_mask=att,
+                                                         position_ids=(att.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+                        scores = reward_model.score(hidden[:, -1]).squeeze(-1).float()  # left-padded: last = last real token
+                        rm_loss = F.mse_loss(scores, torch.tensor([c["label"] for c in chunk], device=device))
+                        rm_optimizer.zero_grad(set_to_none=True)
+                        rm_loss.backward()
+                        rm_optimizer.step()
+                rm_replay += fresh
+                rm_new = []
+                rm_scalars = {"reward_model/train_mse": rm_loss.item(), "reward_model/train_size": len(rm_data),
+                              "reward_model/replay_fraction": 1 - len(fresh) / len(rm_data)}
+                if held_out:
+                    after = reward_model_accuracy(reward_model, held_out, tokenizer.pad_token_id, args.micro_batch_size, device)
+                    rm_scalars.update({"reward_model/heldout_accuracy_before": rm_before[0],
+                                       "reward_model/heldout_accuracy": after[0], "reward_model/heldout_mse": after[1]})
+                log(step + 1, rm_scalars)
+
             # ---- logging ----
-            lengths = mask.sum(1)
-            truncated = (mask[:, -1] == 1) & (completion_ids[:, -1] != tokenizer.eos_token_id)
             scalars = {
                 "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
                 "reward/accuracy": correct.mean().item(),
@@ -398,6 +728,15 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                 "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
                 **common.peak_memory_gb(device),
             }
+            if args.dynamic_sampling:
+                scalars.update({"sampling/rounds": len(rounds), "sampling/frac_groups_varied":
+                                min(len(varied), args.prompts_per_step) / args.prompts_per_step})
+            if args.supervision == "process":
+                checked = len(step_r) - N  # steps other than the final answers
+                scalars.update({"process/steps_per_completion": checked / N,
+                                "process/step_reward_mean": (sum(step_r) - rewards.sum().item()) / max(checked, 1)})
+            if batch["verifiable"] is not None and reward_model is not None:
+                scalars["reward/verifiable_mean"] = batch["verifiable"].mean().item()
             log(step + 1, scalars)
             progress.set_postfix(reward=f"{scalars['reward/mean']:.3f}", kl=f"{scalars['loss/kl']:.4f}",
                                  len=f"{scalars['completion/length_mean']:.1f}")
@@ -414,7 +753,13 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                 log(step + 1, {"eval/accuracy": accuracy})
                 tqdm.write(f"step {step + 1}: held-out greedy accuracy {accuracy:.3f}")
             if (args.save_every and (step + 1) % args.save_every == 0) or last:
-                save_checkpoint(ckpt_path, policy, optimizer, step + 1, args, reference)
+                # Resume needs the reference (reset per iteration) and the reward model with its samples;
+                # the iteration index is step // steps_per_iteration, stored for readers.
+                save_checkpoint(ckpt_path, policy, optimizer, step + 1, args, reference,
+                                iteration=(step + 1) // steps_per_iteration,
+                                reward_model=reward_model.state_dict() if rm_optimizer is not None else None,
+                                rm_optimizer=rm_optimizer.state_dict() if rm_optimizer is not None else None,
+                                rm_new=rm_new, rm_replay=rm_replay)
     except (UsageError, KeyboardInterrupt):
         writer.close()
         raise
