@@ -1,0 +1,285 @@
+"""Tests for ppo_continuous.py (CPU only; about 40 s of CPU time, one core).
+
+GAE against hand-computed numbers and a naive reference; next-step autoreset masking and episode
+logging on a counting env; normalisation statistics restored bit for bit; learning on
+InvertedPendulum-v5; a CLI smoke run (train, resume, eval, one-line errors).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.wrappers.utils import RunningMeanStd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+import ppo_continuous as pc  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# A tiny env whose episodes have a known length: obs = [t], reward 1 per step, actions ignored.
+# Reset with seed s gives episodes of length 2 + s % 2 (kept by later unseeded resets).
+# ----------------------------------------------------------------------------------------------
+class CountingEnv(gym.Env):
+    def __init__(self, truncate: bool = False):
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.truncate, self.length, self.t = truncate, 3, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.length = 2 + seed % 2
+        self.t = 0
+        return np.array([0.0], np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        end = self.t >= self.length
+        return np.array([self.t], np.float32), 1.0, end and not self.truncate, end and self.truncate, {}
+
+
+gym.register("CountingEnv-v0", entry_point=CountingEnv)
+gym.register("CountingTruncEnv-v0", entry_point=CountingEnv, kwargs={"truncate": True})
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE
+# ----------------------------------------------------------------------------------------------
+def test_gae_hand_computed_truncation_termination_and_autoreset():
+    # env 0: s0 -> s1 (r=1), s1 -> s2 truncated (r=2), autoreset step s2 -> s3 (r=0, masked),
+    #        s3 -> s4 terminated (r=4). env 1: four steps of reward 1, no episode end, V = 0.
+    rewards = np.array([[1, 1], [2, 1], [0, 1], [4, 1]], np.float32)
+    values = np.array([[0.5, 0], [1.0, 0], [3.0, 0], [0.2, 0]], np.float32)  # V(s_t)
+    next_values = np.array([[1.0, 0], [3.0, 0], [0.2, 0], [7.0, 0]], np.float32)  # V(s_{t+1})
+    terminations = np.array([[0, 0], [0, 0], [0, 0], [1, 0]], np.float32)
+    dones = np.array([[0, 0], [1, 0], [0, 0], [1, 0]], np.float32)
+    gamma, lam = 0.9, 0.8  # gamma * lambda = 0.72
+
+    adv, ret = pc.compute_gae(rewards, values, next_values, terminations, dones, gamma, lam)
+    # by hand: delta0 = 1 + 0.9*1.0 - 0.5 = 1.4; delta1 = 2 + 0.9*3.0 - 1.0 = 3.7 (bootstrapped
+    # from the final observation); A1 = 3.7 (episode ended); A0 = 1.4 + 0.72*3.7 = 4.064;
+    # A3 = 4 - 0.2 = 3.8 (terminal: no bootstrap from V(s4) = 7).
+    assert adv[0, 0] == pytest.approx(4.064, abs=1e-5)
+    assert adv[1, 0] == pytest.approx(3.7, abs=1e-5)
+    assert adv[3, 0] == pytest.approx(3.8, abs=1e-5)
+    # env 1: A3 = 1, A2 = 1 + 0.72, A1 = 1 + 0.72*1.72, A0 = 1 + 0.72*2.2384
+    np.testing.assert_allclose(adv[:, 1], [2.611648, 2.2384, 1.72, 1.0], atol=1e-5)
+    np.testing.assert_allclose(ret, adv + values, atol=0)
+
+    # CleanRL's convention (--no-bootstrap-truncation): truncation treated as termination
+    adv_c, _ = pc.compute_gae(rewards, values, next_values, dones, dones, gamma, lam)
+    assert adv_c[1, 0] == pytest.approx(2 - 1.0, abs=1e-5)  # delta1 = r1 - V(s1)
+    assert adv_c[0, 0] == pytest.approx(1.4 + 0.72 * 1.0, abs=1e-5)
+
+
+def naive_gae(rewards, values, next_values, terminations, dones, gamma, lam):
+    """A_t = sum_l (gamma*lam)^l delta_{t+l}, summed until the episode ends (eq. 16, truncated)."""
+    T, N = rewards.shape
+    delta = rewards + gamma * next_values * (1 - terminations) - values
+    adv = np.zeros((T, N))
+    for n in range(N):
+        for t in range(T):
+            for k in range(T - t):
+                adv[t, n] += (gamma * lam) ** k * delta[t + k, n]
+                if dones[t + k, n]:
+                    break
+    return adv
+
+
+def test_gae_matches_naive_reference_on_random_data():
+    rng = np.random.default_rng(0)
+    T, N = 50, 3
+    rewards, values, next_values = (rng.normal(size=(T, N)).astype(np.float64) for _ in range(3))
+    dones = (rng.random((T, N)) < 0.15).astype(np.float64)
+    terminations = dones * (rng.random((T, N)) < 0.5)
+    adv, ret = pc.compute_gae(rewards, values, next_values, terminations, dones, 0.99, 0.95)
+    reference = naive_gae(rewards, values, next_values, terminations, dones, 0.99, 0.95)
+    np.testing.assert_allclose(adv, reference, atol=1e-10)
+    with pytest.raises(ValueError):
+        pc.compute_gae(rewards, values[:-1], next_values, terminations, dones, 0.99, 0.95)
+
+
+# ----------------------------------------------------------------------------------------------
+# gymnasium 1.x next-step autoreset: masking and episode logging
+# ----------------------------------------------------------------------------------------------
+def test_autoreset_steps_are_masked_and_every_episode_is_logged():
+    # sub-env seeds 0 and 1 give episode lengths 2 and 3; both envs finish on step 10
+    envs = pc.make_envs("CountingEnv-v0", 2)
+    envs.reset(seed=0)
+    next_valid = np.ones(2)
+    valid, rewards, episodes = [], [], []
+    for step in range(12):
+        valid.append(next_valid)
+        _, reward, term, trunc, infos = envs.step(np.zeros((2, 1), np.float32))
+        rewards.append(reward)
+        next_valid = 1.0 - np.logical_or(term, trunc)  # the rule ppo_continuous.py uses
+        episodes += [(step, *e) for e in pc.finished_episodes(infos)]
+    valid, rewards = np.array(valid), np.array(rewards)
+    np.testing.assert_array_equal(valid[:, 0], [1, 1, 0] * 4)  # length 2 + one autoreset step
+    np.testing.assert_array_equal(valid[:, 1], [1, 1, 1, 0] * 3)  # length 3 + one autoreset step
+    # exactly the masked steps are the autoreset ones, which pay reward 0
+    assert np.all(rewards[valid == 0] == 0) and np.all(rewards[valid == 1] > 0)
+    assert episodes == [
+        (1, 0, 2.0, 2), (2, 1, 3.0, 3), (4, 0, 2.0, 2), (6, 1, 3.0, 3), (7, 0, 2.0, 2),
+        (10, 0, 2.0, 2), (10, 1, 3.0, 3),  # two envs finishing on the same step: both logged
+    ]
+    envs.close()
+
+
+@pytest.mark.parametrize("env_id", ["CountingEnv-v0", "CountingTruncEnv-v0"])
+def test_training_loop_masks_autoreset_steps(tmp_path, env_id):
+    args = pc.validate_args(pc.Args(env_id=env_id, num_envs=2, num_steps=12, num_minibatches=2, update_epochs=1,
+                                    total_timesteps=24, seed=0, runs_dir=str(tmp_path)))
+    s = pc.train(args)
+    # env 0 (length 2) finishes on steps 1, 4, 7, 10; env 1 (length 3) on steps 2, 6, 10; each
+    # following step is an autoreset step, left out of the update
+    assert s["masked_steps"] == 7
+    assert sorted((round(r), length) for _, r, length in s["episodes"]) == [(2, 2)] * 4 + [(3, 3)] * 3
+
+
+# ----------------------------------------------------------------------------------------------
+# normalisation statistics
+# ----------------------------------------------------------------------------------------------
+def test_fast_running_mean_std_is_gymnasium_bit_for_bit():
+    rng = np.random.default_rng(1)
+    ours, ref = pc.FastRunningMeanStd(shape=(5,)), RunningMeanStd(shape=(5,))
+    for i in range(300):
+        x = rng.normal(3.0, 2.0, size=(1 if i % 7 else 4, 5))
+        ours.update(x), ref.update(x)
+    assert np.array_equal(ours.mean, ref.mean) and np.array_equal(ours.var, ref.var) and ours.count == ref.count
+    s_ours, s_ref = pc.FastRunningMeanStd(shape=()), RunningMeanStd(shape=())
+    for r in rng.normal(size=200).astype(np.float32):
+        s_ours.update(np.array([r])), s_ref.update(np.array([r]))
+    assert np.array_equal(s_ours.var, s_ref.var) and s_ours.mean.dtype == s_ref.mean.dtype
+
+
+def _short_run(tmp_path, **kw) -> dict:
+    args = dict(env_id="InvertedPendulum-v5", total_timesteps=512, num_steps=256, num_minibatches=4,
+                update_epochs=2, seed=3, runs_dir=str(tmp_path))
+    args.update(kw)
+    return pc.train(pc.validate_args(pc.Args(**args)))
+
+
+def test_normalisation_statistics_restored_bit_for_bit(tmp_path):
+    s = _short_run(tmp_path)
+    ckpt = common.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
+    saved = ckpt["norm"]
+    assert saved["obs_count"] > 500 and saved["ret_count"] > 400  # really trained statistics
+    assert set(ckpt) >= {"agent", "optimizer", "iteration", "global_step", "rng", "norm", "args"}
+
+    envs = pc.make_envs("InvertedPendulum-v5", 1)
+    pc.set_norm_state(envs, saved, update=False)  # frozen, as for evaluation
+    restored = pc.get_norm_state(envs)
+    for k in saved:
+        assert np.array_equal(restored[k], saved[k]) and np.asarray(restored[k]).dtype == np.asarray(saved[k]).dtype, k
+
+    # the restored statistics are the ones applied, and stay frozen while stepping
+    raw_env = gym.make("InvertedPendulum-v5")
+    raw, _ = raw_env.reset(seed=5)
+    obs, _ = envs.reset(seed=5)
+    expected = np.clip((raw - saved["obs_mean"]) / np.sqrt(saved["obs_var"] + 1e-8), -10, 10).astype(np.float32)
+    np.testing.assert_array_equal(obs[0], expected)
+    for _ in range(20):
+        envs.step(np.zeros((1, 1), np.float32))
+    after = pc.get_norm_state(envs)
+    assert all(np.array_equal(after[k], saved[k]) for k in saved)
+    envs.close()
+
+    with pytest.raises(common.UsageError):  # statistics of another env do not fit
+        pc.set_norm_state(pc.make_envs("Pendulum-v1", 1), saved)
+
+
+def test_same_seed_same_networks(tmp_path):
+    a = common.load_checkpoint(Path(_short_run(tmp_path / "a")["run_dir"]) / "checkpoint.pt")
+    b = common.load_checkpoint(Path(_short_run(tmp_path / "b")["run_dir"]) / "checkpoint.pt")
+    for k in a["agent"]:
+        assert torch.equal(a["agent"][k], b["agent"][k]), k
+
+
+# ----------------------------------------------------------------------------------------------
+# learning
+# ----------------------------------------------------------------------------------------------
+def test_learns_inverted_pendulum(tmp_path):
+    # random policy: ~8 per episode. After 16,384 steps (8 iterations) the defaults reach 100-1000;
+    # we require the mean of the last 10 episodes to beat the first 10 by at least 80.
+    s = pc.train(pc.validate_args(pc.Args(env_id="InvertedPendulum-v5", total_timesteps=16384, seed=1,
+                                          runs_dir=str(tmp_path))))
+    returns = [r for _, r, _ in s["episodes"]]
+    first, last = np.mean(returns[:10]), np.mean(returns[-10:])
+    assert first < 30
+    assert last >= first + 80, (first, last)
+
+
+# ----------------------------------------------------------------------------------------------
+# errors and the CLI
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(env_id="NoSuchEnv-v9"), "--env-id"),
+        (dict(env_id="CartPole-v1"), "--env-id"),
+        (dict(num_steps=100, num_minibatches=32), "--num-minibatches"),
+        (dict(total_timesteps=100), "--total-timesteps"),
+        (dict(num_envs=0), "--num-envs"),
+    ],
+)
+def test_bad_input_is_a_usage_error(tmp_path, kw, flag):
+    with pytest.raises(common.UsageError, match=f"^{flag}"):
+        pc.main(pc.Args(runs_dir=str(tmp_path), **kw))
+
+
+def _cli(*flags, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "ppo_continuous.py"), *flags], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_train_resume_eval_and_errors(tmp_path, capsys):
+    small = ["--env-id", "InvertedPendulum-v5", "--num-steps", "256", "--num-minibatches", "4",
+             "--update-epochs", "1", "--runs-dir", "runs", "--seed", "7"]
+    p = _cli(*small, "--total-timesteps", "512", "--save-every", "1", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    ckpt_path = run_dir / "checkpoint.pt"
+    assert common.load_checkpoint(ckpt_path)["global_step"] == 512
+    assert json.loads((run_dir / "args.json").read_text())["env_id"] == "InvertedPendulum-v5"
+
+    # --resume continues the same run directory up to the new total (in-process: faster)
+    pc.main(pc.Args(env_id="InvertedPendulum-v5", num_steps=256, num_minibatches=4, update_epochs=1, seed=7,
+                    total_timesteps=1024, resume=str(ckpt_path)))
+    ckpt = common.load_checkpoint(ckpt_path)
+    assert (ckpt["global_step"], ckpt["iteration"]) == (1024, 4)
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
+
+    # deterministic evaluation with frozen statistics
+    returns = pc.main(pc.Args(eval_checkpoint=str(ckpt_path), eval_episodes=3))
+    assert len(returns) == 3 and all(r > 0 for r in returns)
+    assert "eval InvertedPendulum-v5: 3 episodes, return" in capsys.readouterr().out
+
+    # a bad flag is one line on stderr and exit code 2, never a traceback
+    p = _cli("--env-id", "CartPole-v1", "--runs-dir", "runs", cwd=tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "error: --env-id: CartPole-v1 has a Discrete action space; this script needs a continuous (Box) one "
+        "(use a discrete-action PPO for it)"
+    ]
+
+
+def test_capture_video_without_moviepy_says_how_to_get_it(tmp_path, monkeypatch):
+    real_find_spec = pc.importlib.util.find_spec
+    monkeypatch.setattr(pc.importlib.util, "find_spec",
+                        lambda name: None if name == "moviepy" else real_find_spec(name))
+    with pytest.raises(common.UsageError, match=r'^--capture-video: .*pip install "gymnasium\[other\]"'):
+        pc.main(pc.Args(env_id="InvertedPendulum-v5", capture_video=True, runs_dir=str(tmp_path)))
