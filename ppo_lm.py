@@ -1,0 +1,635 @@
+"""Proximal Policy Optimization (PPO) for language models (RLHF), in one file.
+
+Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031),
+the checklist this file follows, and DeepSeekMath (Shao et al. 2024, arXiv 2402.03300) §4.1, whose
+eq. 1 and 2 state the PPO that GRPO (grpo_lm.py) simplifies. Four models: the policy pi_theta
+(trained), a frozen reference pi_ref (the initial policy), a reward (a frozen reward model read at
+the last response token, or the task's verifiable reward) and a value model V_phi (trained).
+
+  r_t      = score * [t = last token] - beta * KL_t,   KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)  (eq. 2; k1)
+  delta_t  = r_t + gamma * V(s_t+1) - V(s_t),   A_t = sum_l (gamma * lam)^l delta_t+l    (GAE, Schulman 2016 eq. 16)
+  R_t      = A_t + V(s_t)                                                            (value target)
+  J(theta) = E[ 1/|o| sum_t min(ratio_t * A_t, clip(ratio_t, 1-eps, 1+eps) * A_t) ]     (eq. 1; PPO eq. 7)
+  L(phi)   = E[ 1/|o| sum_t 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old,t +- eps_v) - R_t)^2) ]
+  loss     = -J(theta) + vf_coef * L(phi),  run for --num-ppo-epochs x --num-minibatches updates per batch
+
+The only differences from grpo_lm.py's loss are where the advantage comes from (GAE on a learned
+value instead of the group-normalised reward) and where the KL goes (into the reward, per token,
+instead of into the loss). Usage:  python ppo_lm.py          (see --help for every flag)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import common
+from common import UsageError, check
+
+
+@dataclass
+class Args:
+    # --- experiment ---
+    exp_name: str = "ppo_lm"
+    """name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment: prompts, sampling, minibatch order and initialisation all flow from it"""
+    runs_dir: str = "runs"
+    """TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/"""
+    run_name: str | None = None
+    """run directory name (default: {task}__{exp_name}__{seed}__{unix time})"""
+    device: str = "auto"
+    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
+    # --- models ---
+    model_name_or_path: str = common.DEFAULT_MODEL
+    """policy to train: a local directory or Hub id of a causal LM (default: offline SmolLM2-135M-Instruct)"""
+    reward_model_path: str | None = None
+    """frozen sequence-classification reward model with the policy's tokenizer, scored at the last token (default:
+    the task's verifiable reward); the value model starts from it when given, else from the policy with a zero head"""
+    # --- task ---
+    task: str = "addition"
+    """built-in verifiable task: 'addition' ("What is a + b?" with two-digit a, b)"""
+    dataset: str | None = None
+    """GSM8K-format JSONL file ('question', 'answer' ending in '#### N'); overrides --task"""
+    format_reward: float = 0.0
+    """extra reward for a completion that ends with a number (0 = off)"""
+    missing_eos_penalty: float = 0.0
+    """added to the score of a completion that never emits EOS (the N+ details use -1.0; 0 = off)"""
+    # --- sampling ---
+    total_steps: int = 30
+    """number of PPO iterations (sample a batch, then --num-ppo-epochs x --num-minibatches updates)"""
+    prompts_per_step: int = 32
+    """questions sampled per step, one completion each (32 = as many completions as grpo_lm's 4 x G=8)"""
+    max_new_tokens: int = 64
+    """maximum completion length in tokens"""
+    max_prompt_length: int = 512
+    """prompts longer than this many tokens are dropped from the training set"""
+    temperature: float = 0.7
+    """sampling temperature; log probs use the same logits / temperature"""
+    top_p: float = 1.0
+    """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
+    # --- rewards and advantages ---
+    beta: float = 0.05
+    """initial KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model)"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL in the reward: k1 = log(pi/pi_ref) (InstructGPT, N+ details) or k3 (DeepSeekMath eq. 4)"""
+    target_kl: float | None = None
+    """adapt beta towards this KL per sequence (summed over tokens, nats; Ziegler et al. 2019); None = fixed beta"""
+    kl_horizon: int = 10000
+    """horizon of the adaptive KL controller in sequences: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon"""
+    whiten_rewards: bool = False
+    """scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)"""
+    gamma: float = 1.0
+    """discount over tokens"""
+    lam: float = 0.95
+    """GAE lambda"""
+    # --- optimisation ---
+    learning_rate: float = 1e-5
+    """Adam learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30 steps)"""
+    value_learning_rate: float | None = None
+    """Adam learning rate of the value model (default: --learning-rate)"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (N+ details)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    num_ppo_epochs: int = 4
+    """passes over each sampled batch"""
+    num_minibatches: int = 1
+    """optimizer steps per pass; --prompts-per-step must be divisible by it"""
+    clip_range: float = 0.2
+    """eps of the clipped surrogate"""
+    clip_range_value: float = 0.2
+    """eps_v: the value prediction may move at most this far from V_old before its loss is clipped"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward pass; gradients are accumulated over a minibatch"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clipping, applied to the policy and to the value model separately"""
+    # --- logging, evaluation, checkpoints ---
+    eval_every: int = 10
+    """greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)"""
+    eval_size: int = 128
+    """held-out questions for greedy accuracy"""
+    eval_batch_size: int = 64
+    """questions per greedy generation batch during evaluation"""
+    sample_every: int = 5
+    """print and log sample completions every N steps"""
+    save_every: int = 10
+    """write a checkpoint every N steps (and at the end)"""
+    resume: str | None = None
+    """checkpoint.pt to continue from (same flags, same results)"""
+    torch_threads: int = 0
+    """CPU threads for torch (0 = torch's default)"""
+
+
+# ----------------------------------------------------------------------------------------------
+# ALGO LOGIC: the pieces of RLHF-PPO, in the order the loop below uses them
+# ----------------------------------------------------------------------------------------------
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Mask of the tokens of each completion up to and including its first EOS (the "EOS trick").
+
+    Args:
+        completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
+    Returns:
+        (B, T) float mask, 1 for real completion tokens (the EOS included), 0 after it. Every row
+        starts with 1: a completion has at least one token.
+    """
+    is_eos = completion_ids == eos_token_id
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # number of EOS strictly before t
+    return (eos_before == 0).float()
+
+
+def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
+                    temperature: float, with_entropy: bool = False):
+    """Log probs of the last ``T`` tokens of each sequence under ``model`` at ``temperature``.
+
+    Logits are computed only for the completion positions (``logits_to_keep``); position ids count
+    real tokens only, as in generation, so left padding changes nothing.
+
+    Args:
+        input_ids: (B, P + T) left-padded prompt followed by the completion.
+        attention_mask: (B, P + T) 1 for real tokens.
+        num_completion_tokens: T.
+        with_entropy: also return the entropy of ``softmax(logits / temperature)`` (no grad; logged only).
+    Returns:
+        (B, T) ``log softmax(logits / temperature)`` gathered at the sampled tokens, and with
+        ``with_entropy`` a (B, T) entropy as well.
+    """
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=num_completion_tokens + 1, use_cache=False).logits
+    log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # logits at position j predict token j + 1
+    targets = input_ids[:, -num_completion_tokens:]
+    logp = torch.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logp, entropy
+
+
+def token_values(value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 num_completion_tokens: int) -> torch.Tensor:
+    """Per-token values V(s_t) of the completion tokens: the scalar head on the backbone's hidden states.
+
+    The state s_t before emitting completion token o_t is the prompt and o_<t, whose last token
+    sits at position j = P + t - 1. So V(s_t) is read at the hidden state of position P + t - 1 (the
+    previous token: the last prompt token for t = 0), the same position whose logits give pi(o_t | s_t).
+    V of the state after the last token is never needed: it is terminal, valued 0.
+
+    Args:
+        value_model: a sequence-classification model (a backbone ``base_model`` plus a ``score`` head).
+        input_ids, attention_mask: (B, P + T) left-padded prompt followed by the completion.
+        num_completion_tokens: T.
+    Returns:
+        (B, T) float32 values.
+    """
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    hidden = value_model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state
+    return value_model.score(hidden[:, -num_completion_tokens - 1: -1]).squeeze(-1).float()
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the log probs of the sampled tokens.
+
+    k1: ``log pi - log pi_ref`` (InstructGPT eq. 2, DeepSeekMath eq. 2): unbiased, may be negative.
+    k3: ``pi_ref/pi - log(pi_ref/pi) - 1`` (DeepSeekMath eq. 4; Schulman 2020): unbiased, >= 0.
+
+    Args:
+        logp, ref_logp: (B, T) log probs of the sampled tokens under the policy and the reference.
+    Returns:
+        (B, T) per-token KL estimates.
+    """
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1' or 'k3'")
+
+
+def per_token_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor,
+                      beta: float, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards (DeepSeekMath eq. 2, InstructGPT eq. 2): ``-beta * KL_t``, plus the score on the last token.
+
+    Args:
+        scores: (B,) one score per completion (reward model or verifiable reward, plus penalties).
+        logp, ref_logp: (B, T) log probs of the sampled tokens under pi_old and pi_ref (ref None: no KL).
+        mask: (B, T) 1 for completion tokens up to and including the first EOS (a prefix of ones).
+    Returns:
+        (rewards, kl): both (B, T); the KL term on every valid token, the score only at the last valid
+        token (the EOS when there is one), 0 after it.
+    """
+    kl = kl_penalty(logp, ref_logp, estimator) * mask if ref_logp is not None else torch.zeros_like(logp)
+    rewards = -beta * kl
+    last = mask.sum(1).long().clamp(min=1) - 1  # index of each completion's last valid token
+    rewards[torch.arange(len(last)), last] += scores.to(rewards)
+    return rewards, kl
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / std`` with mean and (unbiased) std over the valid tokens only; 0 at masked tokens.
+
+    Args:
+        x, mask: (B, T).
+        shift_mean: False keeps the mean (reward whitening only rescales).
+    Returns:
+        (B, T) whitened ``x``.
+    """
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation over tokens (Schulman et al. 2016, eq. 16) and the value targets.
+
+    ``delta_t = r_t + gamma * V(s_t+1) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_t+1``, ``R_t = A_t + V(s_t)``.
+    The state after the last valid token is terminal: its value is 0 and nothing after it counts.
+
+    Args:
+        rewards: (B, T) per-token rewards (0 after the last valid token).
+        values: (B, T) V(s_t) from the value model at sampling time; masked positions are ignored.
+        mask: (B, T) 1 for completion tokens up to and including the first EOS.
+    Returns:
+        (advantages, returns): both (B, T), 0 at masked positions.
+    """
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    T = rewards.shape[1]
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, advantages + values
+
+
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
+             old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_range: float,
+             clip_range_value: float, vf_coef: float, num_sequences: int):
+    """PPO loss of a micro-batch: ``-J(theta) + vf_coef * L(phi)``, scaled for gradient accumulation.
+
+    Policy: the clipped surrogate ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7).
+    Value: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (the N+ details).
+    Both are averaged over each sequence's ``|o|`` valid tokens (DeepSeekMath eq. 1, as grpo_lm.py does),
+    summed over the micro-batch and divided by the number of sequences in the whole minibatch, so the
+    micro-batch losses add up to the minibatch loss.
+
+    Args:
+        logp: (b, T) log probs under the policy being trained (with grad).
+        old_logp: (b, T) log probs under pi_old, the policy that sampled the batch.
+        advantages: (b, T) whitened GAE advantages.
+        values: (b, T) V_phi(s_t) from the value model being trained (with grad).
+        old_values, returns: (b, T) values at sampling time and the GAE value targets.
+        mask: (b, T) 1 for completion tokens up to and including the first EOS.
+        num_sequences: sequences in the whole minibatch.
+    Returns:
+        (loss, stats): the scalar loss and a dict of detached sums (divide by ``tokens``) and extremes.
+    """
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_range, 1 + clip_range) * advantages)
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    value_losses = (values - returns) ** 2
+    value_losses_clipped = (values_clipped - returns) ** 2
+    per_token_vf = 0.5 * torch.max(value_losses, value_losses_clipped)
+    lengths = mask.sum(1).clamp(min=1)  # |o|
+    policy_loss = -((surrogate * mask).sum(1) / lengths).sum() / num_sequences
+    value_loss = ((per_token_vf * mask).sum(1) / lengths).sum() / num_sequences
+    loss = policy_loss + vf_coef * value_loss
+    with torch.no_grad():
+        log_ratio = logp - old_logp
+        clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages < 0) & (ratio < 1 - clip_range))
+        valid = mask.bool()
+        stats = {
+            "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(), "tokens": mask.sum(),
+            "clipped": (clipped.float() * mask).sum(),
+            "value_clipped": ((value_losses_clipped > value_losses).float() * mask).sum(),
+            "approx_kl": (((ratio - 1) - log_ratio) * mask).sum(),  # k3 of KL(pi_old || pi_theta)
+            "ratio_min": ratio[valid].min() if valid.any() else ratio.new_tensor(1.0),
+            "ratio_max": ratio[valid].max() if valid.any() else ratio.new_tensor(1.0),
+        }
+    return loss, stats
+
+
+def adaptive_kl_coef(beta: float, kl: float, target_kl: float, num_sequences: int, horizon: int) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019 §2.2, as in their lm-human-preferences code).
+
+    ``beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences / horizon)``.
+
+    Args:
+        kl: the batch's mean KL per sequence (per-token KL summed over the completion).
+    """
+    error = min(max(kl / target_kl - 1, -0.2), 0.2)
+    return beta * (1 + error * num_sequences / horizon)
+
+
+# ----------------------------------------------------------------------------------------------
+# TRY NOT TO MODIFY: set-up, generation, reward plumbing, logging, checkpoints
+# ----------------------------------------------------------------------------------------------
+def validate(args: Args) -> None:
+    """One-line errors for flag values that cannot work."""
+    for flag in ("total_steps", "prompts_per_step", "max_new_tokens", "max_prompt_length", "num_ppo_epochs",
+                 "num_minibatches", "micro_batch_size", "eval_size", "eval_batch_size", "kl_horizon"):
+        check(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be a positive integer")
+    check(args.prompts_per_step % args.num_minibatches == 0,
+          f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches {args.num_minibatches}")
+    check(args.temperature > 0, "--temperature must be > 0")
+    check(0 < args.top_p <= 1, "--top-p must be in (0, 1]")
+    check(args.beta >= 0, "--beta must be >= 0")
+    check(args.kl_estimator in ("k1", "k3"), f"--kl-estimator must be 'k1' or 'k3', not {args.kl_estimator!r}")
+    check(args.target_kl is None or (args.target_kl > 0 and args.beta > 0),
+          "--target-kl must be > 0 and needs --beta > 0 (the controller scales beta)")
+    check(0 <= args.gamma <= 1, "--gamma must be in [0, 1]")
+    check(0 <= args.lam <= 1, "--lam must be in [0, 1]")
+    check(0 < args.clip_range < 1, "--clip-range must be in (0, 1)")
+    check(args.clip_range_value > 0, "--clip-range-value must be > 0")
+    check(args.vf_coef > 0, "--vf-coef must be > 0")
+    check(args.learning_rate > 0, "--learning-rate must be > 0")
+    check(args.value_learning_rate is None or args.value_learning_rate > 0, "--value-learning-rate must be > 0")
+    check(args.max_grad_norm > 0, "--max-grad-norm must be > 0")
+    check(args.task == "addition" or args.dataset is not None, f"--task: unknown task {args.task!r}; built in: 'addition' (or use --dataset)")
+
+
+def make_task(args: Args) -> common.Task:
+    if args.dataset is not None:
+        return common.load_gsm8k_jsonl(args.dataset, args.eval_size, args.format_reward)
+    return common.make_addition_task(args.eval_size, args.format_reward)
+
+
+def make_micro_batches(indices: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       mask: torch.Tensor, P: int, size: int) -> list:
+    """Split ``indices`` into micro-batches of similar completion length, each trimmed of the padding
+    it does not need (left of its longest prompt, right of its longest completion). The losses are sums
+    over sequences, so the grouping changes no result, only the time spent on padding.
+
+    Returns:
+        [(idx, input_ids (b, p + t), attention_mask (b, p + t), t)]: completions occupy the last t columns.
+    """
+    order = indices[torch.argsort(mask[indices].sum(1), descending=True, stable=True)]
+    batches = []
+    for i in range(0, len(order), size):
+        idx = order[i: i + size]
+        first = int(attention_mask[idx, :P].any(0).float().argmax())  # first column with a real token
+        t = int(mask[idx].sum(1).max())
+        batches.append((idx, input_ids[idx, first: P + t], attention_mask[idx, first: P + t], t))
+    return batches
+
+
+def save_checkpoint(path: Path, policy, value_model, optimizer, step: int, args: Args, kl_coef: float,
+                    reference=None) -> None:
+    common.atomic_save({"policy": policy.state_dict(), "value_model": value_model.state_dict(),
+                        "optimizer": optimizer.state_dict(), "step": step, "kl_coef": kl_coef,
+                        "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
+                        "reference": reference.state_dict() if reference is not None else None}, path)
+
+
+def main(args: Args, task: common.Task | None = None) -> dict:
+    """Train with PPO; returns the per-step history of logged scalars (for tests and notebooks).
+
+    ``task`` replaces the built-in task: any :class:`common.Task` with your own reward function.
+    """
+    validate(args)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    checkpoint = common.load_checkpoint(args.resume) if args.resume else None
+    common.seed_everything(args.seed)
+
+    tokenizer = common.load_tokenizer(args.model_name_or_path)
+    policy = common.load_model(args.model_name_or_path, device=device).eval()  # dropout is off everywhere
+    # Reference model: a frozen copy of the initial policy; not needed at all when beta = 0.
+    reference = None
+    if args.beta > 0:
+        reference = common.load_model(args.model_name_or_path, device=device).eval().requires_grad_(False)
+    reward_model = None
+    if args.reward_model_path:
+        reward_model = common.load_model(args.reward_model_path, kind="reward", device=device,
+                                         flag="--reward-model-path").eval().requires_grad_(False)
+        check(hasattr(reward_model, "score"), "--reward-model-path: expected a sequence-classification model with a 'score' head")
+    # Value model: a backbone with a scalar head, from the reward model (N+ details) or else from the policy,
+    # whose new head is zero-initialised so that every initial value is 0 rather than noise.
+    value_source, value_flag = (args.reward_model_path, "--reward-model-path") if args.reward_model_path \
+        else (args.model_name_or_path, "--model-name-or-path")
+    value_model = common.load_model(value_source, kind="reward", device=device, flag=value_flag).eval()
+    check(hasattr(value_model, "score"), f"{value_flag}: cannot attach a value head ('score') to {value_source}")
+    vocab = value_model.get_input_embeddings().num_embeddings
+    check(vocab >= len(tokenizer), f"{value_flag}: its vocabulary ({vocab}) is smaller than the policy tokenizer's "
+          f"({len(tokenizer)}); the reward and value models read the policy's token ids, so they must share its tokenizer")
+    if not args.reward_model_path:
+        with torch.no_grad():
+            for p in value_model.score.parameters():
+                p.zero_()
+    optimizer = torch.optim.AdamW(
+        [{"params": list(policy.parameters()), "lr": args.learning_rate},
+         {"params": list(value_model.parameters()), "lr": args.value_learning_rate or args.learning_rate}],
+        eps=args.adam_eps, weight_decay=args.weight_decay)
+
+    task = task or make_task(args)
+    prompt_lengths = [len(ids) for ids in tokenizer([common.build_prompt(tokenizer, ex["question"]) for ex in task.train],
+                                                    add_special_tokens=False)["input_ids"]]
+    train = [ex for ex, n in zip(task.train, prompt_lengths) if n <= args.max_prompt_length]
+    check(len(train) >= args.prompts_per_step, f"--max-prompt-length {args.max_prompt_length}: only {len(train)} "
+          f"training prompts fit, fewer than --prompts-per-step {args.prompts_per_step}")
+
+    start_step, kl_coef = 0, args.beta
+    if checkpoint is not None:
+        policy.load_state_dict(checkpoint["policy"])
+        value_model.load_state_dict(checkpoint["value_model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if reference is not None and checkpoint.get("reference") is not None:
+            reference.load_state_dict(checkpoint["reference"])
+        start_step, kl_coef = checkpoint["step"], checkpoint["kl_coef"]
+        run_dir = Path(args.resume).parent
+    else:
+        run_dir = Path(args.runs_dir) / (args.run_name or common.make_run_name(args.exp_name, args))
+    writer = common.make_writer(run_dir, args)
+    ckpt_path = run_dir / "checkpoint.pt"
+    history: dict[str, list[float]] = {}
+
+    def log(step: int, scalars: dict) -> None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+            history.setdefault(key, []).append(float(value))
+
+    if checkpoint is not None:
+        common.set_rng_state(checkpoint["rng"])  # last: loading models above must not shift the RNG
+    elif args.eval_size:
+        accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                             args.max_new_tokens, args.eval_batch_size, device)
+        log(0, {"eval/accuracy": accuracy})
+        print(f"step 0: held-out greedy accuracy {accuracy:.3f}")
+
+    N = args.prompts_per_step
+    minibatch_size = N // args.num_minibatches
+    policy_params, value_params = optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"]
+    progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc="ppo")
+    step = start_step
+    try:
+        for step in progress:
+            # ---- 1. Rollout: one completion per prompt from pi_old = the current policy ----
+            t0 = time.time()
+            picks = np.random.default_rng([args.seed, step]).choice(len(train), N, replace=False)
+            examples = [train[i] for i in picks]
+            prompts = [common.build_prompt(tokenizer, ex["question"]) for ex in examples]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            with torch.no_grad():
+                sequences = policy.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
+                                            top_k=0, max_new_tokens=args.max_new_tokens,
+                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            P = enc["input_ids"].shape[1]
+            completion_ids = sequences[:, P:]
+            mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
+            completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
+            input_ids = torch.cat([enc["input_ids"], completion_ids], 1)
+            attention_mask = torch.cat([enc["attention_mask"], mask.long()], 1)
+            T = completion_ids.shape[1]
+            gen_time = time.time() - t0
+
+            # ---- 2. Score at the last response token: reward model or verifiable reward, EOS penalty ----
+            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            if reward_model is not None:
+                rewards_task = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
+                                                                     attention_mask[i: i + args.micro_batch_size]).cpu()
+                                          for i in range(0, N, args.micro_batch_size)])
+            else:
+                rewards_task = common.score_completions(task, completions, examples)
+            correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
+            has_eos = ((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu()
+            scores = rewards_task + args.missing_eos_penalty * (~has_eos).float()
+
+            # ---- 3. pi_old and pi_ref log probs and V_old values of the sampled tokens (no grad) ----
+            t1 = time.time()
+            rollout_batches = make_micro_batches(torch.arange(N, device=device), input_ids, attention_mask, mask, P,
+                                                 args.micro_batch_size)
+            old_logp, old_values = torch.zeros(N, T, device=device), torch.zeros(N, T, device=device)
+            ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
+            with torch.no_grad():
+                for idx, ids, att, t_mb in rollout_batches:
+                    old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
+                    old_values[idx, :t_mb] = token_values(value_model, ids, att, t_mb)
+                    if reference is not None:
+                        ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
+
+                # ---- 4. Per-token rewards: -beta * KL_t on every token, the score on the last (eq. 2) ----
+                rewards, kl = per_token_rewards(scores.to(device), old_logp, ref_logp, mask, kl_coef, args.kl_estimator)
+                if args.whiten_rewards:
+                    rewards = masked_whiten(rewards, mask, shift_mean=False)
+
+                # ---- 5. GAE advantages and value targets; advantages whitened over the valid tokens ----
+                advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+                advantages = masked_whiten(advantages, mask)
+
+            # ---- 6. PPO updates: num_ppo_epochs passes, num_minibatches optimizer steps each ----
+            totals = {k: 0.0 for k in ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl",
+                                       "entropy", "grad_norm", "value_grad_norm")}
+            totals.update(ratio_min=math.inf, ratio_max=-math.inf)
+            num_updates, t2 = 0, time.time()
+            for _ in range(args.num_ppo_epochs):
+                perm = torch.randperm(N, device=device)
+                for start in range(0, N, minibatch_size):
+                    optimizer.zero_grad(set_to_none=True)
+                    for idx, ids, att, t_mb in make_micro_batches(perm[start: start + minibatch_size], input_ids,
+                                                                  attention_mask, mask, P, args.micro_batch_size):
+                        logp, entropy = token_log_probs(policy, ids, att, t_mb, args.temperature, with_entropy=True)
+                        values = token_values(value_model, ids, att, t_mb)
+                        m = mask[idx, :t_mb]
+                        loss, stats = ppo_loss(logp, old_logp[idx, :t_mb], advantages[idx, :t_mb], values,
+                                               old_values[idx, :t_mb], returns[idx, :t_mb], m, args.clip_range,
+                                               args.clip_range_value, args.vf_coef, minibatch_size)
+                        if not torch.isfinite(loss):
+                            raise UsageError(f"non-finite loss at step {step + 1}; lower --learning-rate "
+                                             f"(the last checkpoint {ckpt_path} is intact)")
+                        loss.backward()
+                        for key in ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl"):
+                            totals[key] += stats[key].item()
+                        totals["entropy"] += (entropy * m).sum().item()
+                        totals["ratio_min"] = min(totals["ratio_min"], stats["ratio_min"].item())
+                        totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"].item())
+                    totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm).item()
+                    totals["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm).item()
+                    optimizer.step()
+                    num_updates += 1
+            train_time, update_time = time.time() - t1, time.time() - t2
+
+            # ---- 7. Adaptive KL coefficient (Ziegler et al. 2019), from this batch's KL per sequence ----
+            kl_per_sequence = kl.sum(1).mean().item()
+            beta_used = kl_coef
+            if args.target_kl is not None:
+                kl_coef = adaptive_kl_coef(kl_coef, kl_per_sequence, args.target_kl, N, args.kl_horizon)
+
+            # ---- logging ----
+            lengths = mask.sum(1)
+            truncated = ~has_eos
+            valid = mask.bool()
+            non_score = (-beta_used * kl).sum(1)
+            var_returns = returns[valid].var()
+            tokens = max(totals["tokens"], 1)
+            scalars = {
+                "reward/mean": rewards_task.mean().item(), "reward/std": rewards_task.std().item(),
+                "reward/accuracy": correct.mean().item(), "reward/score": scores.mean().item(),
+                "reward/non_score": non_score.mean().item(), "reward/total": (scores.to(device) + non_score).mean().item(),
+                "loss/policy": totals["policy_loss"] / num_updates, "loss/value": totals["value_loss"] / num_updates,
+                "loss/kl": (kl * mask).sum().item() / max(mask.sum().item(), 1),
+                "loss/clip_fraction": totals["clipped"] / tokens, "loss/value_clip_fraction": totals["value_clipped"] / tokens,
+                "loss/approx_kl": totals["approx_kl"] / tokens, "loss/entropy": totals["entropy"] / tokens,
+                "loss/ratio_min": totals["ratio_min"], "loss/ratio_max": totals["ratio_max"],
+                "kl/sequence_mean": kl_per_sequence, "kl/beta": beta_used,
+                "value/mean": old_values[valid].mean().item(), "value/returns_mean": returns[valid].mean().item(),
+                "value/explained_variance": (1 - (returns - old_values)[valid].var() / var_returns).item()
+                if var_returns > 0 else float("nan"),
+                "completion/length_mean": lengths.float().mean().item(), "completion/frac_truncated": truncated.float().mean().item(),
+                "optim/grad_norm": totals["grad_norm"] / num_updates, "optim/value_grad_norm": totals["value_grad_norm"] / num_updates,
+                "optim/learning_rate": optimizer.param_groups[0]["lr"],
+                "time/generation_s": gen_time, "time/training_s": train_time,
+                "time/update_s_per_epoch": update_time / args.num_ppo_epochs, "time/step_s": time.time() - t0,
+                "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
+                **common.peak_memory_gb(device),
+            }
+            log(step + 1, scalars)
+            progress.set_postfix(reward=f"{scalars['reward/mean']:.3f}", kl=f"{scalars['loss/kl']:.4f}",
+                                 vloss=f"{scalars['loss/value']:.4f}", len=f"{scalars['completion/length_mean']:.1f}")
+
+            if args.sample_every and (step + 1) % args.sample_every == 0:
+                text = "\n".join(f"[reward {rewards_task[j]:.2f}] {examples[j]['question']!r} -> {completions[j]!r}"
+                                 for j in range(min(N, 4)))
+                tqdm.write(f"--- step {step + 1} samples ---\n{text}")
+                writer.add_text("samples", text.replace("\n", "  \n"), step + 1)
+            last = step + 1 == args.total_steps
+            if args.eval_size and ((args.eval_every and (step + 1) % args.eval_every == 0) or last):
+                accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                     args.max_new_tokens, args.eval_batch_size, device)
+                log(step + 1, {"eval/accuracy": accuracy})
+                tqdm.write(f"step {step + 1}: held-out greedy accuracy {accuracy:.3f}")
+            if (args.save_every and (step + 1) % args.save_every == 0) or last:
+                save_checkpoint(ckpt_path, policy, value_model, optimizer, step + 1, args, kl_coef, reference)
+    except (UsageError, KeyboardInterrupt):
+        writer.close()
+        raise
+    writer.close()
+    if args.total_steps > start_step:
+        policy.save_pretrained(run_dir / "final_model")
+        tokenizer.save_pretrained(run_dir / "final_model")
+        print(f"saved {ckpt_path} and {run_dir / 'final_model'} (load it with from_pretrained)")
+    return history
+
+
+if __name__ == "__main__":
+    common.run_cli(lambda: main(common.parse_args(Args)))
