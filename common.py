@@ -411,9 +411,10 @@ def score_completions(task: Task, completions: list[str], examples: list[dict]) 
     return rewards
 
 
-@torch.no_grad()
 def reward_model_scores(reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Scalar score of a sequence-classification reward model read at each sequence's last real token.
+
+    Differentiable: wrap calls in ``torch.no_grad()`` to score, call it bare to train the model.
 
     Args:
         input_ids, attention_mask: (N, L) left-padded prompt + completion, padding after EOS masked.

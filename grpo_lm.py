@@ -442,8 +442,9 @@ def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task,
         input_ids = torch.cat([enc["input_ids"], completion_ids], 1)
         attention_mask = torch.cat([enc["attention_mask"], mask.long()], 1)
         mb = args.micro_batch_size
-        rewards = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + mb], attention_mask[i: i + mb]).cpu()
-                             for i in range(0, len(examples), mb)])
+        with torch.no_grad():
+            rewards = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + mb], attention_mask[i: i + mb]).cpu()
+                                 for i in range(0, len(examples), mb)])
     else:
         rewards = verifiable
     correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
@@ -483,9 +484,10 @@ def pad_left(sequences: list[list[int]], pad_token_id: int, device) -> tuple[tor
 
 def reward_model_accuracy(reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device) -> tuple[float, float]:
     """(accuracy, MSE) of the reward model on labelled samples; accurate = |score - label| < 0.5."""
-    scores = torch.cat([common.reward_model_scores(reward_model, *pad_left([s["ids"] for s in samples[i: i + batch_size]],
-                                                                           pad_token_id, device)).cpu()
-                        for i in range(0, len(samples), batch_size)])
+    with torch.no_grad():
+        scores = torch.cat([common.reward_model_scores(reward_model, *pad_left([s["ids"] for s in samples[i: i + batch_size]],
+                                                                               pad_token_id, device)).cpu()
+                            for i in range(0, len(samples), batch_size)])
     labels = torch.tensor([s["label"] for s in samples])
     return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(scores, labels).item()
 
@@ -697,9 +699,7 @@ def main(args: Args, task: common.Task | None = None,
                     for i in range(0, len(rm_data), args.micro_batch_size):
                         chunk = [rm_data[j] for j in order_rm[i: i + args.micro_batch_size]]
                         ids, att = pad_left([c["ids"] for c in chunk], tokenizer.pad_token_id, device)
-                        hidden = reward_model.base_model(input_ids=ids, attention_mask=att,
-                                                         position_ids=(att.cumsum(1) - 1).clamp(min=0)).last_hidden_state
-                        scores = reward_model.score(hidden[:, -1]).squeeze(-1).float()  # left-padded: last = last real token
+                        scores = common.reward_model_scores(reward_model, ids, att)
                         rm_loss = F.mse_loss(scores, torch.tensor([c["label"] for c in chunk], device=device))
                         rm_optimizer.zero_grad(set_to_none=True)
                         rm_loss.backward()

@@ -506,9 +506,10 @@ def main(args: Args, task: common.Task | None = None) -> dict:
             # ---- 2. Score at the last response token: reward model or verifiable reward, EOS penalty ----
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             if reward_model is not None:
-                rewards_task = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
-                                                                     attention_mask[i: i + args.micro_batch_size]).cpu()
-                                          for i in range(0, N, args.micro_batch_size)])
+                with torch.no_grad():
+                    rewards_task = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
+                                                                         attention_mask[i: i + args.micro_batch_size]).cpu()
+                                              for i in range(0, N, args.micro_batch_size)])
             else:
                 rewards_task = common.score_completions(task, completions, examples)
             correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
