@@ -3,6 +3,7 @@
     python benchmarks/grpo_variants.py --steps 30                        # all five presets below
     python benchmarks/grpo_variants.py --steps 30 --variants outcome,process
     python benchmarks/grpo_variants.py --steps 3 --eval-size 32 --torch-threads 1 -- --max-new-tokens 48
+    python benchmarks/grpo_variants.py --steps 30 --report-only          # rewrite the table from finished runs
 
 Presets (every run shares the flags in COMMON; the rest of the flags are the preset's):
   outcome, process  --task multistep ("Compute (a + b) * c - d"), outcome vs process supervision (§4.1.2 / §4.1.3)
@@ -10,14 +11,17 @@ Presets (every run shares the flags in COMMON; the rest of the flags are the pre
                     DAPO (token-level loss, clip-higher 0.28, overlong buffer 16, no KL)
   dapo_ds           DAPO with dynamic sampling too (more generation per step: not the same sampling budget)
 
-Each preset runs grpo_lm.py as a subprocess; the script then reads its TensorBoard scalars and writes
-one markdown table (held-out greedy accuracy before/after, mean reward first/last steps, seconds per
-step) plus the per-step reward curves, the exact commands and the machine, to --out.
+Each preset runs grpo_lm.py as a subprocess into a run directory named by preset, steps and seed; a
+rerun skips the runs that finished, so two invocations with different --variants can share the cores
+and one --report-only call writes the joint table. The table (held-out greedy accuracy at every
+evaluation, sample accuracy first/last third of the steps, seconds per step), the per-step reward
+curves, the exact commands and the machine go to --out, rewritten after every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -44,52 +48,51 @@ PRESETS = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="--total-steps of every run")
-    parser.add_argument("--variants", default="outcome,process,grpo,dr_grpo,dapo",
-                        help=f"comma-separated presets out of {','.join(PRESETS)}")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--eval-size", type=int, default=128, help="held-out problems for greedy accuracy")
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--torch-threads", type=int, default=0, help="passed to grpo_lm.py (0 = torch's default)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "grpo_variants_results.md"))
-    parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "out"))
-    parser.add_argument("--note", default="", help="a paragraph written under the title (e.g. why the budget is small)")
-    parser.add_argument("extra", nargs="*", help="extra grpo_lm.py flags for every run, after --")
-    opts = parser.parse_args()
-    variants = opts.variants.split(",")
-    unknown = [v for v in variants if v not in PRESETS]
-    if unknown:
-        parser.error(f"--variants: unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
+def run_dir_name(name: str, steps: int, seed: int) -> str:
+    """Fixed per preset, budget and seed, so a rerun skips runs that already finished."""
+    return f"grpo_variants_{name}_steps{steps}_seed{seed}"
 
+
+def summarise(name: str, run_dir: Path) -> tuple[str, str] | None:
+    """(table row, reward curve) of a finished run, or None while it has no final evaluation."""
+    s = read_scalars(run_dir) if run_dir.exists() else {}
+    acc = s.get("eval/accuracy", [])
+    if len(acc) < 2 or "time/generation_s" not in s:
+        return None
+    rewards = [v for _, v in s["reward/accuracy"]]  # verifiable accuracy of the samples (comparable across shaping)
+    step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
+    k = max(1, len(rewards) // 3)
+    extra = ""
+    if "process/step_reward_mean" in s:
+        steps = [v for _, v in s["process/step_reward_mean"]]
+        extra = f"checked steps correct: {steps[0]:.2f} -> {steps[-1]:.2f}"
+    grad = [v for _, v in s.get("optim/grad_norm", [])]
+    if grad:
+        extra += ("; " if extra else "") + f"steps with grad norm 0: {sum(g == 0 for g in grad)}/{len(grad)}"
+    middle = " ".join(f"{v:.3f} (step {t})" for t, v in acc[1:-1])
+    row = (f"| {name} | {acc[0][1]:.3f} | {middle or '-'} | {acc[-1][1]:.3f} (step {acc[-1][0]}) | "
+           f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | {sum(step_s) / len(step_s):.0f} | {extra} |")
+    return row, f"{name:8s} " + " ".join(f"{r:.2f}" for r in rewards)
+
+
+def command(name: str, opts: argparse.Namespace) -> list[str]:
+    return [sys.executable, "grpo_lm.py", "--total-steps", str(opts.steps), *COMMON, *PRESETS[name],
+            "--eval-size", str(opts.eval_size), "--eval-every", str(opts.eval_every), "--seed", str(opts.seed),
+            "--torch-threads", str(opts.torch_threads), "--runs-dir", opts.runs_dir,
+            "--run-name", run_dir_name(name, opts.steps, opts.seed), *opts.extra]
+
+
+def report(variants: list[str], opts: argparse.Namespace) -> str:
     rows, curves, commands = [], [], []
-    stamp = int(time.time())
     for name in variants:
-        run_name = f"grpo_variants_{name}_seed{opts.seed}_{stamp}"
-        cmd = [sys.executable, "grpo_lm.py", "--total-steps", str(opts.steps), *COMMON, *PRESETS[name],
-               "--eval-size", str(opts.eval_size), "--eval-every", str(opts.eval_every), "--seed", str(opts.seed),
-               "--torch-threads", str(opts.torch_threads), "--runs-dir", opts.runs_dir, "--run-name", run_name, *opts.extra]
-        shown = " ".join(c if c != sys.executable else "python" for c in cmd)
-        print(shown, flush=True)
+        shown = " ".join("python" if c == sys.executable else c for c in command(name, opts))
         commands.append(f"- {name}: `{shown}`")
-        start = time.time()
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        wall = time.time() - start
-        s = read_scalars(Path(opts.runs_dir) / run_name)
-        acc = s["eval/accuracy"]
-        rewards = [v for _, v in s["reward/accuracy"]]  # verifiable accuracy of the samples (comparable across shaping)
-        step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
-        k = max(1, len(rewards) // 3)
-        extra = ""
-        if "process/step_reward_mean" in s:
-            steps = [v for _, v in s["process/step_reward_mean"]]
-            extra = f"checked steps correct: {steps[0]:.2f} -> {steps[-1]:.2f}"
-        rows.append(f"| {name} | {acc[0][1]:.3f} | {acc[-1][1]:.3f} (step {acc[-1][0]}) | "
-                    + f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | {sum(step_s) / len(step_s):.0f} | "
-                    + f"{wall / 60:.1f} | {extra} |")
-        curves.append(f"{name:8s} " + " ".join(f"{r:.2f}" for r in rewards))
-
+        summary = summarise(name, Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed))
+        if summary is None:
+            rows.append(f"| {name} | not run yet | | | | | |")
+        else:
+            rows.append(summary[0])
+            curves.append(summary[1])
     lines = [
         "# grpo_lm.py variants on SmolLM2-135M-Instruct",
         "",
@@ -97,7 +100,7 @@ def main() -> None:
         (f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Budget: {opts.steps} steps per run, "
          f"4 questions x G=8 per step, held-out greedy accuracy on {opts.eval_size} problems."),
         "",
-        "| variant | held-out accuracy, step 0 | held-out accuracy, end | sample accuracy, first third -> last third | s/step | wall (min) | notes |",
+        "| variant | held-out accuracy, step 0 | in between | held-out accuracy, end | sample accuracy, first third -> last third | s/step | notes |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
@@ -111,8 +114,44 @@ def main() -> None:
         "",
         *commands,
     ]
-    Path(opts.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="--total-steps of every run")
+    parser.add_argument("--variants", default="outcome,process,grpo,dr_grpo,dapo",
+                        help=f"comma-separated presets out of {','.join(PRESETS)}")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--eval-size", type=int, default=128, help="held-out problems for greedy accuracy")
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--torch-threads", type=int, default=0, help="passed to grpo_lm.py (0 = torch's default)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "grpo_variants_results.md"))
+    parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "out"))
+    parser.add_argument("--note", default="", help="a paragraph written under the title (e.g. why the budget is small)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing; write the table from the finished runs of --variants")
+    parser.add_argument("extra", nargs="*", help="extra grpo_lm.py flags for every run, after --")
+    opts = parser.parse_args()
+    variants = opts.variants.split(",")
+    unknown = [v for v in variants if v not in PRESETS]
+    if unknown:
+        parser.error(f"--variants: unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
+
+    for name in [] if opts.report_only else variants:
+        run_dir = Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed)
+        if summarise(name, run_dir) is not None:
+            print(f"{name}: finished run found in {run_dir}, skipped", flush=True)
+            continue
+        if run_dir.exists():  # an unfinished run: start it again from nothing
+            shutil.rmtree(run_dir)
+        cmd = command(name, opts)
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, cwd=ROOT, check=True)
+        Path(opts.out).write_text(report(variants, opts))  # after every run, so a stopped sweep keeps its rows
+    text = report(variants, opts)
+    Path(opts.out).write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":
