@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +72,7 @@ class Args:
     runs_dir: str = "runs"
     """TensorBoard logs, args.json and checkpoints go to {runs_dir}/{run_name}/"""
     capture_video: bool = False
-    """record videos of env 0 to {runs_dir}/{run_name}/videos (needs moviepy: pip install "gymnasium[other]")"""
+    """record videos of env 0 to {runs_dir}/{run_name}/videos (needs moviepy: pip install moviepy)"""
     save_every: int = 50
     """write {run_dir}/checkpoint.pt every this many iterations (0: only at the end)"""
     resume: str | None = None
@@ -423,11 +425,25 @@ def checkpoint_dict(agent, optimizer, envs, args: Args, iteration: int, global_s
     }
 
 
-def _check_video(flag: str) -> None:
-    common.check(
-        importlib.util.find_spec("moviepy") is not None,
-        f'{flag}: video recording needs moviepy; install it with: pip install "gymnasium[other]"',
-    )
+def _check_video(flag: str, env_id: str) -> None:
+    """Fail early, in one line, when ``env_id`` cannot be recorded: moviepy missing, or no OpenGL.
+
+    MuJoCo renders through GLFW by default, which needs a display; on a Linux machine without one
+    (a server, CI) rendering goes through EGL instead, unless ``MUJOCO_GL`` is already set.
+    """
+    common.check(importlib.util.find_spec("moviepy") is not None,
+                 f"{flag}: video recording needs moviepy; install it with: pip install moviepy")
+    if sys.platform.startswith("linux") and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")):
+        os.environ.setdefault("MUJOCO_GL", "egl")
+    try:
+        env = gym.make(env_id, render_mode="rgb_array")
+        env.reset(seed=0)
+        frame = env.render()
+        env.close()
+    except Exception as e:  # noqa: BLE001 - GL and renderer errors have no common base class
+        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                         f"on a machine without a display try MUJOCO_GL=egl or MUJOCO_GL=osmesa") from None
+    common.check(isinstance(frame, np.ndarray) and frame.ndim == 3, f"{flag}: {env_id} rendered no RGB frame")
 
 
 def _device(args: Args) -> torch.device:
@@ -456,7 +472,7 @@ def evaluate(args: Args) -> list[float]:
     device = _device(args)
     video_dir = None
     if args.capture_video:
-        _check_video("--capture-video")
+        _check_video("--capture-video", env_id)
         video_dir = str(Path(args.eval_checkpoint).resolve().parent / "videos_eval")
     saved = ckpt["args"]
     envs = make_envs(env_id, 1, "sync", saved["gamma"], saved["obs_clip"], saved["reward_clip"], video_dir)
@@ -508,7 +524,7 @@ def train(args: Args) -> dict:
         run_dir = Path(args.runs_dir) / common.make_run_name(args.exp_name, args)
     video_dir = None
     if args.capture_video:
-        _check_video("--capture-video")
+        _check_video("--capture-video", args.env_id)
         video_dir = str(run_dir / "videos")
     writer = common.make_writer(run_dir, args)
 

@@ -281,5 +281,21 @@ def test_capture_video_without_moviepy_says_how_to_get_it(tmp_path, monkeypatch)
     real_find_spec = pc.importlib.util.find_spec
     monkeypatch.setattr(pc.importlib.util, "find_spec",
                         lambda name: None if name == "moviepy" else real_find_spec(name))
-    with pytest.raises(common.UsageError, match=r'^--capture-video: .*pip install "gymnasium\[other\]"'):
+    with pytest.raises(common.UsageError, match=r"^--capture-video: .*pip install moviepy$"):
         pc.main(pc.Args(env_id="InvertedPendulum-v5", capture_video=True, runs_dir=str(tmp_path)))
+
+
+def test_capture_video_records_the_first_episodes(tmp_path):
+    imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg")  # comes with moviepy (requirements.txt)
+    s = _short_run(tmp_path, total_timesteps=256, num_steps=256, capture_video=True)
+    videos = Path(s["run_dir"]) / "videos"
+    # gymnasium's default schedule records episodes 0, 1, 8, 27, ...: the first two are always there
+    first, second = videos / "rl-video-episode-0.mp4", videos / "rl-video-episode-1.mp4"
+    assert first.is_file() and second.is_file()
+    # RecordVideo keeps a frame after the reset and after every step of env 0's first episode; the
+    # mp4 moviepy writes from them holds all of them or all but the last (its duration rounding)
+    reader = imageio_ffmpeg.read_frames(str(first))
+    meta = next(reader)
+    n_frames = sum(1 for _ in reader)
+    assert meta["size"] == (480, 480) and meta["fps"] == gym.make("InvertedPendulum-v5").metadata["render_fps"]
+    assert n_frames in (s["episodes"][0][2], s["episodes"][0][2] + 1) and n_frames > 3
