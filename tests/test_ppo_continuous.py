@@ -8,6 +8,7 @@ InvertedPendulum-v5; a CLI smoke run (train, resume, eval, one-line errors).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -299,3 +300,68 @@ def test_capture_video_records_the_first_episodes(tmp_path):
     n_frames = sum(1 for _ in reader)
     assert meta["size"] == (480, 480) and meta["fps"] == gym.make("InvertedPendulum-v5").metadata["render_fps"]
     assert n_frames in (s["episodes"][0][2], s["episodes"][0][2] + 1) and n_frames > 3
+
+
+# ----------------------------------------------------------------------------------------------
+# the minibatch loss
+# ----------------------------------------------------------------------------------------------
+def _loss_batch():
+    """Two transitions whose ratios pi/pi_old are 1.5 and 0.5, and whose new values are known."""
+    torch.manual_seed(0)
+    agent = pc.Agent(3, 2)
+    obs, actions = torch.randn(2, 3), torch.randn(2, 2)
+    with torch.no_grad():
+        logp, _, value = agent.get_action_and_value(obs, actions)
+    old_logprobs = logp - torch.log(torch.tensor([1.5, 0.5]))
+    return agent, obs, actions, old_logprobs, value
+
+
+def test_ppo_loss_hand_computed():
+    agent, obs, actions, old_logprobs, v = _loss_batch()
+    adv = torch.tensor([2.0, 2.0])
+    # V_old = V - 1 and V + 1, returns = V_old + 3: the first value moved 1 toward its return, the
+    # second 1 away from it; clipped to 0.2, the errors become 2.8 and 3.2 instead of 2 and 4
+    old_values = v - torch.tensor([1.0, -1.0])
+    returns = old_values + 3.0
+    loss, stats = pc.ppo_loss(agent, obs, actions, old_logprobs, adv, returns, old_values, clip_coef=0.2,
+                              vf_coef=0.5, ent_coef=0.0, norm_adv=False)
+    # eq. 7: min(r A, clip(r) A) with A = 2: min(3, 2.4) = 2.4 and min(1, 1.6) = 1 -> loss -(2.4 + 1) / 2
+    assert stats["policy_loss"].item() == pytest.approx(-1.7, abs=1e-5)
+    # value (core #9): max((V - R)^2, (V_old + clip(V - V_old) - R)^2) = max(2^2, 2.8^2) and max(4^2, 3.2^2)
+    assert stats["value_loss"].item() == pytest.approx(0.5 * (2.8**2 + 4**2) / 2, abs=1e-4)
+    assert loss.item() == pytest.approx(-1.7 + 0.5 * stats["value_loss"].item(), abs=1e-5)
+    assert stats["clipfrac"].item() == 1.0  # |1.5 - 1| and |0.5 - 1| both exceed 0.2
+    k1, k3 = (-torch.log(torch.tensor([1.5, 0.5]))).mean(), (torch.tensor([0.5, -0.5]) - torch.log(torch.tensor([1.5, 0.5]))).mean()
+    assert stats["old_approx_kl"].item() == pytest.approx(k1.item(), abs=1e-5)
+    assert stats["approx_kl"].item() == pytest.approx(k3.item(), abs=1e-5)
+    # the clipped first ratio passes no gradient: only the second transition moves the actor
+    loss.backward()
+    assert agent.actor_logstd.grad.abs().sum() > 0
+
+
+def test_ppo_loss_entropy_bonus_and_advantage_normalisation():
+    agent, obs, actions, old_logprobs, v = _loss_batch()
+    adv = torch.tensor([1.0, 3.0])  # normalised: (-1, 1) / std([1, 3]) = (-0.7071, 0.7071)
+    kw = dict(returns=v, old_values=v, clip_coef=0.2, vf_coef=0.5)
+    base, stats = pc.ppo_loss(agent, obs, actions, old_logprobs, adv, ent_coef=0.0, **kw)
+    a = 1 / math.sqrt(2)
+    # min(1.5 * -a, 1.2 * -a) = -1.5a; min(0.5 * a, 0.8 * a) = 0.5a -> loss -(-1.5a + 0.5a) / 2 = a / 2
+    assert base.item() == pytest.approx(a / 2, abs=1e-5)
+    with_bonus, _ = pc.ppo_loss(agent, obs, actions, old_logprobs, adv, ent_coef=0.01, **kw)
+    # entropy of a diagonal Gaussian with log-std 0: act_dim * (0.5 + 0.5 * log(2 pi))
+    assert stats["entropy"].item() == pytest.approx(2 * (0.5 + 0.5 * math.log(2 * math.pi)), abs=1e-5)
+    assert with_bonus.item() == pytest.approx(base.item() - 0.01 * stats["entropy"].item(), abs=1e-6)
+
+
+def test_compiled_loss_matches_eager(tmp_path):
+    agent, obs, actions, old_logprobs, v = _loss_batch()
+    args = (agent, obs, actions, old_logprobs, torch.tensor([1.0, -2.0]), v + 1, v - 0.5, 0.2, 0.5, 0.01)
+    eager, _ = pc.ppo_loss(*args)
+    eager.backward()
+    grads = [p.grad.clone() for p in agent.parameters()]
+    agent.zero_grad()
+    compiled, _ = torch.compile(pc.ppo_loss)(*args)
+    compiled.backward()
+    assert compiled.item() == pytest.approx(eager.item(), abs=1e-6)
+    for g, p in zip(grads, agent.parameters()):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
