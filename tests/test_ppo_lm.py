@@ -229,3 +229,11 @@ def test_cli_bad_input_is_one_line(flags, message, tmp_path):
     assert out.returncode == 2
     assert message in out.stderr.strip().splitlines()[-1]
     assert "Traceback" not in out.stderr
+
+
+def test_gradient_checkpointing_takes_the_same_steps(tiny_model_dir, tmp_path):
+    plain = ppo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a"), task=digit_task())
+    ckpt = ppo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", gradient_checkpointing=True), task=digit_task())
+    for key in ("loss/policy", "loss/value", "optim/grad_norm", "optim/value_grad_norm", "reward/mean"):
+        assert ckpt[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-7), key
+    assert plain["optim/value_grad_norm"][1] > 0 and plain["loss/kl"][1] != 0
