@@ -4,6 +4,7 @@
     python benchmarks/grpo_variants.py --steps 30 --variants outcome,process
     python benchmarks/grpo_variants.py --steps 3 --eval-size 32 --torch-threads 1 -- --max-new-tokens 48
     python benchmarks/grpo_variants.py --steps 30 --report-only          # rewrite the table from finished runs
+    python benchmarks/grpo_variants.py --steps 10 --reuse grpo=benchmarks/out/grpo_addition_seed1_<stamp>  # a longer run's first 10 steps
 
 Presets (every run shares the flags in COMMON; the rest of the flags are the preset's):
   outcome, process  --task multistep ("Compute (a + b) * c - d"), outcome vs process supervision (§4.1.2 / §4.1.3)
@@ -53,11 +54,12 @@ def run_dir_name(name: str, steps: int, seed: int) -> str:
     return f"grpo_variants_{name}_steps{steps}_seed{seed}"
 
 
-def summarise(name: str, run_dir: Path) -> tuple[str, str] | None:
-    """(table row, reward curve) of a finished run, or None while it has no final evaluation."""
+def summarise(name: str, run_dir: Path, steps: int) -> tuple[str, str] | None:
+    """(table row, reward curve) of the first ``steps`` steps of a run, or None while it has not evaluated step ``steps``."""
     s = read_scalars(run_dir) if run_dir.exists() else {}
+    s = {tag: [(t, v) for t, v in values if t <= steps] for tag, values in s.items()}
     acc = s.get("eval/accuracy", [])
-    if len(acc) < 2 or "time/generation_s" not in s:
+    if len(acc) < 2 or acc[-1][0] != steps or "time/generation_s" not in s:
         return None
     rewards = [v for _, v in s["reward/accuracy"]]  # verifiable accuracy of the samples (comparable across shaping)
     step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
@@ -82,12 +84,19 @@ def command(name: str, opts: argparse.Namespace) -> list[str]:
             "--run-name", run_dir_name(name, opts.steps, opts.seed), *opts.extra]
 
 
+def run_dir_of(name: str, opts: argparse.Namespace) -> Path:
+    return Path(opts.reuse[name]) if name in opts.reuse else Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed)
+
+
 def report(variants: list[str], opts: argparse.Namespace) -> str:
     rows, curves, commands = [], [], []
     for name in variants:
         shown = " ".join("python" if c == sys.executable else c for c in command(name, opts))
+        if name in opts.reuse:
+            shown = (f"the first {opts.steps} steps of {run_dir_of(name, opts).name} (same flags but --total-steps "
+                     f"and --eval-every; its args.json holds them): {shown}")
         commands.append(f"- {name}: `{shown}`")
-        summary = summarise(name, Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed))
+        summary = summarise(name, run_dir_of(name, opts), opts.steps)
         if summary is None:
             rows.append(f"| {name} | not run yet | | | | | |")
         else:
@@ -131,18 +140,27 @@ def main() -> None:
     parser.add_argument("--note", default="", help="a paragraph written under the title (e.g. why the budget is small)")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing; write the table from the finished runs of --variants")
+    parser.add_argument("--reuse", nargs="*", default=[], metavar="PRESET=RUN_DIR",
+                        help="read PRESET from an existing run with the same flags and at least --steps steps "
+                             "(the learning rate is constant, so its first --steps steps are this preset's run)")
     parser.add_argument("extra", nargs="*", help="extra grpo_lm.py flags for every run, after --")
     opts = parser.parse_args()
+    bad = [r for r in opts.reuse if "=" not in r or r.split("=", 1)[0] not in PRESETS]
+    if bad:
+        parser.error(f"--reuse: expected PRESET=RUN_DIR with a preset out of {','.join(PRESETS)}, got {' '.join(bad)}")
+    opts.reuse = dict(r.split("=", 1) for r in opts.reuse)
     variants = opts.variants.split(",")
     unknown = [v for v in variants if v not in PRESETS]
     if unknown:
         parser.error(f"--variants: unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
 
     for name in [] if opts.report_only else variants:
-        run_dir = Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed)
-        if summarise(name, run_dir) is not None:
+        run_dir = run_dir_of(name, opts)
+        if summarise(name, run_dir, opts.steps) is not None:
             print(f"{name}: finished run found in {run_dir}, skipped", flush=True)
             continue
+        if name in opts.reuse:
+            parser.error(f"--reuse {name}: {run_dir} has no evaluation at step {opts.steps}")
         if run_dir.exists():  # an unfinished run: start it again from nothing
             shutil.rmtree(run_dir)
         cmd = command(name, opts)
