@@ -333,6 +333,21 @@ def test_merge_groups_repads_rows_of_different_rounds():
     assert out["completions"] == ["0.0", "1.0", "1.0", "0.0"] and out["examples"][2] == {"r": 1.0}
 
 
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(tiny_model_dir, tmp_path):
+    kw = dict(total_steps=1, beta=0.0)
+    plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **kw), task=digit_task())
+    masked = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", mask_truncated_completions=True, **kw), task=digit_task())
+    n, max_new = 4 * 8, 12
+    length, frac = plain["completion/length_mean"][0], plain["completion/frac_truncated"][0]
+    assert masked["completion/length_mean"][0] == length and masked["completion/frac_truncated"][0] == frac  # same samples
+    assert 0 < frac < 1, frac  # some completions hit --max-new-tokens 12, some emitted EOS
+    assert plain["loss/tokens"][0] == pytest.approx(length * n)  # every valid token
+    # a truncated completion never emitted EOS, so it is exactly max_new tokens long: all of them leave the loss
+    assert masked["loss/tokens"][0] == pytest.approx(length * n - frac * n * max_new)
+    # their rewards still shape the group advantages, but only the finished completions carry gradient
+    assert masked["reward/mean"] == plain["reward/mean"] and masked["optim/grad_norm"] != plain["optim/grad_norm"]
+
+
 def test_dapo_flags_run_together(tiny_model_dir, tmp_path):
     history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, loss_type="dapo", clip_range_high=0.28,
                                      overlong_buffer=4, mask_truncated_completions=True, scale_rewards="none",
