@@ -8,6 +8,9 @@ Returns (3 seeds per env, runs one after another, each pinned to a CPU with task
 Speed, side by side with SB3 PPO + VecNormalize on the same settings (needs
 `pip install stable-baselines3`; each pair runs at the same moment, one per core, then swapped):
     python benchmarks/ppo_continuous_bench.py sps --env-ids HalfCheetah-v5 --total-timesteps 102400
+Extra ppo_continuous.py flags go after `--`, with every option before the mode:
+    python benchmarks/ppo_continuous_bench.py --env-ids HalfCheetah-v5 --total-timesteps 204800 \
+        --repeats 1 --cpus 0 1 sps -- --compile
 Tables from runs already finished (nothing is re-run; finished runs are also skipped by default):
     python benchmarks/ppo_continuous_bench.py returns --report-only
 
