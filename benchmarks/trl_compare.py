@@ -17,7 +17,7 @@ sequence-level (GSPO) ratio, as far as grpo_lm.grpo_loss offers them. Exit code 
 Speed: grpo_lm.py (its CLI, in a subprocess) and TRL GRPOTrainer (in a subprocess), one after the
 other on the same model directory and settings; steps/s and completion tokens/s over steps 2..S
 (step 1 is warm-up), peak RSS of each child (os.wait4). TRL's activation checkpointing (on by
-default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py has none:
+default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py's --gradient-checkpointing is off too:
     python benchmarks/trl_compare.py speed --layers 4 --hidden 256 --steps 8 --repeats 2
     python benchmarks/trl_compare.py speed --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct \
         --steps 3 --prompts-per-step 2 --group-size 4        # the real model, when the CPU is free
@@ -94,7 +94,7 @@ def grpo_config(output_dir: str, *, group_size: int, batch: int, max_new_tokens:
                 gradient_checkpointing: bool = False):
     """GRPOConfig matching grpo_lm.py's algorithm: DeepSeekMath GRPO, one update per generation batch.
 
-    TRL 1.16 defaults to activation (gradient) checkpointing on; grpo_lm.py has none, so it is off
+    TRL 1.16 defaults to activation (gradient) checkpointing on; grpo_lm.py defaults to off, so it is off
     unless ``gradient_checkpointing`` is set.
     """
     from trl import GRPOConfig
@@ -661,7 +661,7 @@ def render_results() -> None:
                   "(grpo_lm mu=1, TRL num_iterations=1), grad-norm clip 1.0, AdamW, the whole batch in one "
                   "forward/backward (grpo_lm `--micro-batch-size` = P*G, TRL per_device_train_batch_size = P*G, "
                   "gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type=\"grpo\", TRL's activation "
-                  "checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py has none) unless a row says on, the addition "
+                  "checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's --gradient-checkpointing is off by default) unless a row says on, the addition "
                   "task's training problems and `common.outcome_reward` as the reward. s/step, steps/s and "
                   "completion tokens/s are measured over steps 2..S (from the end of step 1 to the end of step S; "
                   "step 1 is warm-up; model loading and grpo_lm's one-question start/end evaluation fall outside). "
@@ -755,7 +755,7 @@ def main() -> None:
     sp.add_argument("--repeats", type=int, default=1, help="pairs of runs, order alternating ours/TRL, TRL/ours")
     sp.add_argument("--label", default=None, help="name of the JSON result (default from model and sizes)")
     sp.add_argument("--trl-gradient-checkpointing", action="store_true",
-                    help="TRL with its default activation checkpointing on (grpo_lm.py has none; default: off)")
+                    help="TRL with its default activation checkpointing on (grpo_lm.py's --gradient-checkpointing stays off; default: off)")
 
     ch = sub.add_parser("_trl_child")
     speed_flags(ch)
