@@ -510,7 +510,8 @@ def _check_video(flag: str, env_id: str) -> None:
         frame = env.render()
         env.close()
     except Exception as e:  # noqa: BLE001 - GL and renderer errors have no common base class
-        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+        first_line = (str(e).strip().splitlines() or [""])[0][:120]
+        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {first_line}); "
                          f"on a machine without a display try MUJOCO_GL=egl or MUJOCO_GL=osmesa") from None
     common.check(isinstance(frame, np.ndarray) and frame.ndim == 3, f"{flag}: {env_id} rendered no RGB frame")
 
