@@ -316,6 +316,22 @@ def _loss_batch():
     return agent, obs, actions, old_logprobs, value
 
 
+def test_numpy_actor_mean_matches_torch_and_tracks_updates():
+    torch.manual_seed(0)
+    agent = pc.Agent(17, 6)
+    for p in agent.parameters():  # away from the init, so every layer matters
+        p.data.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(5, 17)
+    mean = agent.numpy_actor_mean()
+    out = mean(x.numpy())
+    assert out.dtype == np.float32 and out.shape == (5, 6)
+    np.testing.assert_allclose(out, agent.actor_mean(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # a copy: it keeps the weights it was taken with
+        agent.actor_mean[0].bias.add_(1.0)
+    np.testing.assert_array_equal(mean(x.numpy()), out)
+    assert np.abs(agent.numpy_actor_mean()(x.numpy()) - out).max() > 1e-3
+
+
 def test_ppo_loss_hand_computed():
     agent, obs, actions, old_logprobs, v = _loss_batch()
     adv = torch.tensor([2.0, 2.0])
