@@ -8,9 +8,9 @@ Returns (3 seeds per env, runs one after another, each pinned to a CPU with task
 Speed, side by side with SB3 PPO + VecNormalize on the same settings (needs
 `pip install stable-baselines3`; each pair runs at the same moment, one per core, then swapped):
     python benchmarks/ppo_continuous_bench.py sps --env-ids HalfCheetah-v5 --total-timesteps 102400
-Extra ppo_continuous.py flags go after `--`, with every option before the mode:
-    python benchmarks/ppo_continuous_bench.py --env-ids HalfCheetah-v5 --total-timesteps 204800 \
-        --repeats 1 --cpus 0 1 sps -- --compile
+Any other flag is passed on to ppo_continuous.py (give the mode first):
+    python benchmarks/ppo_continuous_bench.py sps --env-ids HalfCheetah-v5 --total-timesteps 204800 \
+        --repeats 2 --cpus 0 1 --compile
 Tables from runs already finished (nothing is re-run; finished runs are also skipped by default):
     python benchmarks/ppo_continuous_bench.py returns --report-only
 
@@ -242,8 +242,7 @@ def main() -> None:
     p.add_argument("--rerun", action="store_true", help="returns: re-run seeds that already finished")
     p.add_argument("--script", default=str(SCRIPT), help="the ppo_continuous.py to run (e.g. a frozen copy)")
     p.add_argument("--out-json", default=None, help=argparse.SUPPRESS)
-    p.add_argument("extra", nargs="*", help="extra flags for ppo_continuous.py, after --")
-    a = p.parse_args()
+    a, a.extra = p.parse_known_args()  # the rest: flags for ppo_continuous.py
     SCRIPT = Path(a.script).resolve()
     if a.total_timesteps is None:
         a.total_timesteps = 102_400 if a.mode == "sps" else 1_000_000
