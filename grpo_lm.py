@@ -185,26 +185,44 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                    temperature: float) -> torch.Tensor:
-    """Log probs of the last ``T`` tokens of each sequence under ``model`` at ``temperature``.
+def token_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
+                    completion_ids: torch.Tensor, completion_att: torch.Tensor, temperature: float,
+                    share_prompt: bool = True) -> torch.Tensor:
+    """Log probs of every completion token under ``model`` at ``temperature``.
 
-    Logits are computed only for the completion positions (``logits_to_keep``), so at most
-    (B, T, V) logits exist at once; position ids count real tokens only, as in generation.
+    With ``share_prompt`` each distinct prompt goes through the model once and its keys and values
+    are reused by every sequence that continues it (a group's G completions): the same numbers as a
+    pass over each whole sequence, to float rounding, for 1/G of the prompt's compute. Gradients
+    flow through the shared keys and values. ``share_prompt=False`` runs each whole sequence (needed
+    under gradient checkpointing, which drops the cache). Logits exist only for completion
+    positions, (B, T, V) at most; position ids count real tokens only, as in generation.
 
     Args:
-        input_ids: (B, P + T) left-padded prompt followed by the completion.
-        attention_mask: (B, P + T) 1 for real tokens.
-        num_completion_tokens: T.
+        prompt_ids, prompt_mask: (U, P) distinct left-padded prompts, mask 1 for real tokens.
+        prompt_index: (B,) long, the row of ``prompt_ids`` each sequence continues.
+        completion_ids, completion_att: (B, T) completions and their attention mask (1 up to the EOS).
     Returns:
-        (B, T) ``log softmax(logits / temperature)`` gathered at the sampled tokens.
+        (B, T) ``log softmax(logits / temperature)`` gathered at the completion tokens.
     """
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    attention_mask = torch.cat([prompt_mask[prompt_index], completion_att], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=num_completion_tokens + 1, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature  # logits at t predict token t + 1
-    targets = input_ids[:, -num_completion_tokens:]
-    return torch.gather(logits.log_softmax(-1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    if share_prompt:
+        prefix = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                       logits_to_keep=1, use_cache=True)
+        logits = prefix.logits[prompt_index]  # (B, 1, V): the last prompt token predicts the first completion token
+        if T > 1:
+            cache = prefix.past_key_values
+            cache.batch_select_indices(prompt_index)  # (U, ...) -> (B, ...) keys and values, differentiable
+            rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                         position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits
+            logits = torch.cat([logits, rest], 1)
+    else:
+        input_ids = torch.cat([prompt_ids[prompt_index], completion_ids], 1)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # logits at t predict token t + 1
+    logits = logits.float() / temperature
+    return torch.gather(logits.log_softmax(-1), 2, completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
@@ -726,9 +744,7 @@ def main(args: Args, task: common.Task | None = None,
             else:
                 batch = rounds[0]
             completion_ids, mask, completions, examples = batch["completion_ids"], batch["mask"], batch["completions"], batch["examples"]
-            input_ids = torch.cat([batch["prompt_ids"], completion_ids], 1)
-            attention_mask = torch.cat([batch["prompt_mask"], mask.long()], 1)
-            P, T = batch["prompt_ids"].shape[1], completion_ids.shape[1]
+            T = completion_ids.shape[1]
             rewards, correct = batch["rewards"], batch["correct"]
             lengths = mask.sum(1)
             truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1)  # never emitted EOS
@@ -737,8 +753,9 @@ def main(args: Args, task: common.Task | None = None,
             all_rewards = common.all_gather(rewards)  # (N_all,) every process's rewards, in global group order
             if args.train_reward_model:  # Algorithm 1: this iteration's samples, labelled by the verifiable reward
                 # gathered from every process, so each one trains the same reward model on the whole batch
-                rm_new += common.all_gather_objects([{"ids": input_ids[i][attention_mask[i].bool()].tolist(),
-                                                      "label": batch["verifiable"][i].item()} for i in range(N)])
+                rm_new += common.all_gather_objects([
+                    {"ids": batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist() + completion_ids[i][mask[i].bool()].tolist(),
+                     "label": batch["verifiable"][i].item()} for i in range(N)])
             gen_time = time.time() - t0
 
             # ---- 3. Advantages ----
@@ -767,25 +784,30 @@ def main(args: Args, task: common.Task | None = None,
             loss_mask = mask * (~truncated).float().unsqueeze(1) if args.mask_truncated_completions else mask
 
             # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
-            # Micro-batches hold sequences of similar completion length, each trimmed to its own longest
-            # prompt and completion: the loss is a sum over sequences, so grouping only saves padding
+            # Micro-batches keep groups whole (a group's prompt then goes through the model once, see
+            # token_log_probs), groups of similar completion length together, each trimmed to its own longest
+            # prompt and completion: the loss is a sum over sequences, so the order only saves compute
             # (except for --loss-type bnpo, whose token mean is taken per micro-batch).
             t1 = time.time()
-            order = torch.argsort(mask.sum(1), descending=True, stable=True)
+            lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
+            order = torch.tensor(sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])))
             micro_batches = []
             for i in range(0, N, args.micro_batch_size):
-                idx = order[i: i + args.micro_batch_size]
-                first = int(attention_mask[idx, :P].any(0).float().argmax())  # first column with a real token
-                t_mb = int(mask[idx].sum(1).max())
-                micro_batches.append((idx, input_ids[idx, first: P + t_mb], attention_mask[idx, first: P + t_mb], t_mb))
+                idx = order[i: i + args.micro_batch_size].to(device)
+                groups, prompt_index = torch.unique(idx // G, return_inverse=True)
+                first = int(batch["prompt_mask"][groups * G].any(0).float().argmax())  # first column with a real token
+                t_mb = int(lengths[idx].max())
+                micro_batches.append((idx, t_mb, (batch["prompt_ids"][groups * G, first:], batch["prompt_mask"][groups * G, first:],
+                                                  prompt_index, completion_ids[idx, :t_mb], mask[idx, :t_mb].long())))
+            share = not args.gradient_checkpointing  # checkpointed layers drop the shared prompt's cache
             old_logp = torch.zeros(N, T, device=device)
             ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
             with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-                for idx, ids, att, t_mb in micro_batches:
+                for idx, t_mb, inputs in micro_batches:
                     if args.mu > 1:  # with mu = 1 pi_old = pi_theta, so ratio = 1: reuse logp.detach() below
-                        old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
+                        old_logp[idx, :t_mb] = token_log_probs(policy, *inputs, args.temperature, share)
                     if reference is not None:
-                        ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
+                        ref_logp[idx, :t_mb] = token_log_probs(reference, *inputs, args.temperature, share)
 
             # ---- 5. mu GRPO iterations: maximise eq. 3 over the batch (gradient accumulation) ----
             # For mu > 1 the ratio uses old_logp stored in step 4: pi_old stays the sampling policy for all mu updates.
@@ -798,9 +820,9 @@ def main(args: Args, task: common.Task | None = None,
             for _ in range(args.mu):
                 optimizer.zero_grad(set_to_none=True)
                 policy.train(args.gradient_checkpointing)  # dropout is off: train mode only enables checkpointing
-                for idx, ids, att, t_mb in micro_batches:
+                for idx, t_mb, inputs in micro_batches:
                     with common.bf16_autocast(device, args.bf16):
-                        logp = token_log_probs(policy, ids, att, t_mb, args.temperature)
+                        logp = token_log_probs(policy, *inputs, args.temperature, share)
                     old = old_logp[idx, :t_mb] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t_mb]

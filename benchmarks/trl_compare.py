@@ -228,13 +228,15 @@ def run_loss(a: argparse.Namespace) -> None:
     completion_mask = mask.long()
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    # grpo_lm's inputs: one prompt row per group (each group's prompt goes through the model once)
+    ours_inputs = (prompt_ids[::G], prompt_mask[::G], torch.arange(N) // G, completion_ids, completion_mask)
 
     # ---- 3. pi_old and pi_ref: the current log probs plus noise ----
     # Our side uses a separately loaded copy of the same weights. pi_old and pi_ref differ from
     # pi_theta, so ratios straddle the clip range and KL > 0 (both 0 on padding).
     ours_model = common.load_model(model_dir).train()
     with torch.no_grad():
-        logp0 = grpo_lm.token_log_probs(ours_model, input_ids, attention_mask, T, a.temperature)
+        logp0 = grpo_lm.token_log_probs(ours_model, *ours_inputs, a.temperature)
     old_logp = (logp0 + a.noise * torch.randn(N, T, generator=gen)) * mask
     ref_logp = (logp0 + 0.5 * a.noise * torch.randn(N, T, generator=gen)) * mask
     advantages = adv_trl.clone()  # TRL's own group advantages from step 1
@@ -246,7 +248,7 @@ def run_loss(a: argparse.Namespace) -> None:
     def ours_loss(kwargs: dict, kl_times_ratio: bool = False):
         """grpo_lm.token_log_probs + grpo_lm.grpo_loss (keyword arguments); returns (loss, stats, grads)."""
         ours_model.zero_grad(set_to_none=True)
-        logp = grpo_lm.token_log_probs(ours_model, input_ids, attention_mask, T, a.temperature)
+        logp = grpo_lm.token_log_probs(ours_model, *ours_inputs, a.temperature)
         if kl_times_ratio:  # TRL's use_bias_correction_kl=True written out on our side (grpo, token level)
             ratio = torch.exp(logp - old_logp)
             adv = advantages.unsqueeze(1)

@@ -92,15 +92,48 @@ def test_micro_batch_losses_add_up_to_the_full_batch_loss():
 def test_token_log_probs_ignore_left_padding(tiny_model_dir):
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
-    enc = tok(["What is 1 + 2?3<eos>", "1+1=2<eos>"], return_tensors="pt", padding=True, add_special_tokens=False)
+    prompts = tok(["What is 1 + 2?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False)
+    completions = tok(["3<eos>", "2<eos>"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    att, first = torch.ones_like(completions), torch.arange(2)
+    alone = tok(["1+1=2<eos>"], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        batched = grpo_lm.token_log_probs(model, enc["input_ids"], enc["attention_mask"], 3, temperature=0.7)
-        alone = tok(["1+1=2<eos>"], return_tensors="pt", add_special_tokens=False)
-        single = grpo_lm.token_log_probs(model, alone["input_ids"], alone["attention_mask"], 3, temperature=0.7)
-        logits = model(**alone).logits[0, -4:-1] / 0.7
-    torch.testing.assert_close(batched[1], single[0], atol=1e-5, rtol=1e-5)
-    manual = logits.log_softmax(-1).gather(1, alone["input_ids"][0, -3:, None]).squeeze(1)
+        for share in (True, False):
+            batched = grpo_lm.token_log_probs(model, prompts["input_ids"], prompts["attention_mask"], first,
+                                              completions, att, 0.7, share)
+            single = grpo_lm.token_log_probs(model, alone["input_ids"][:, :-2], alone["attention_mask"][:, :-2],
+                                             first[:1], completions[1:], att[1:], 0.7, share)
+            torch.testing.assert_close(batched[1], single[0], atol=1e-5, rtol=1e-5)
+        logits = model(**alone).logits[0, -3:-1] / 0.7
+    manual = logits.log_softmax(-1).gather(1, alone["input_ids"][0, -2:, None]).squeeze(1)
     torch.testing.assert_close(single[0], manual, atol=1e-5, rtol=1e-5)
+
+
+def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(tiny_model_dir):
+    # 2 left-padded prompts, 3 completions each of different lengths (right-padded after the EOS):
+    # one pass per prompt with its keys and values reused must give the whole-sequence numbers,
+    # and the same gradient for every parameter (the prompt's share summed over its completions).
+    model = common.load_model(str(tiny_model_dir))
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    prompts = tok(["What is 12 + 30?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False)
+    texts = ["42<eos>", "4 2<eos>", "forty<eos>", "2<eos>", "11<eos>", "2, yes<eos>"]
+    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    T = max(map(len, rows))
+    completions = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
+    att = grpo_lm.completion_mask(completions, tok.eos_token_id).long()
+    prompt_index = torch.tensor([0, 0, 0, 1, 1, 1])
+    weights = torch.randn(6, T, generator=torch.Generator().manual_seed(0)) * att
+    out = {}
+    for share in (True, False):
+        model.zero_grad()
+        logp = grpo_lm.token_log_probs(model, prompts["input_ids"], prompts["attention_mask"], prompt_index,
+                                       completions, att, 0.7, share)
+        (logp * weights).sum().backward()
+        out[share] = (logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(out[True][0] * att, out[False][0] * att, atol=1e-5, rtol=1e-5)
+    assert out[True][1].keys() == out[False][1].keys() and len(out[True][1]) > 5
+    for name, grad in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert (logp * att).abs().sum() > 0
 
 
 def test_reward_model_reads_the_last_real_token(tiny_reward_model_dir):
