@@ -681,6 +681,17 @@ def render_results() -> None:
                          f"{r['torch_threads']} | {gc_label(r)} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | "
                          f"{rss['ours'] / rss['trl']:.2f} |")
         lines += ["", *READING]
+        curves = [r for r in rs if r["steps"] >= 8 and "reward_mean" in r["runs"][0] and "SmolLM2" in r["model"]]
+        for r in curves:  # a pretrained model answers some questions, so its reward curve means something
+            runs = sorted(r["runs"], key=lambda x: (x["who"] != "ours", x["repeat"]))
+            lines += ["", f"Reward curves, {r['model']}, P={r['P']} x G={r['G']}, {r['T']} max tokens: mean reward "
+                      "(fraction of correct completions) of each step's batch, as each trainer logged it.", "",
+                      "| step | " + " | ".join(f"{'grpo_lm' if x['who'] == 'ours' else 'TRL'} run {x['repeat']}" for x in runs) + " |",
+                      "|-|" + "-|" * len(runs)]
+            for k in range(r["steps"]):
+                lines.append(f"| {k + 1} | " + " | ".join(f"{x['reward_mean'][k]:.3f}" for x in runs) + " |")
+            for part, sl in (("first 3 steps", slice(0, 3)), ("last 3 steps", slice(-3, None))):
+                lines.append(f"| mean, {part} | " + " | ".join(f"{sum(x['reward_mean'][sl]) / 3:.3f}" for x in runs) + " |")
         for r in rs:
             def row(label, key, fmt, r=r):
                 if key not in r:  # a result written before this row existed

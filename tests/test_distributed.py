@@ -80,6 +80,30 @@ def test_grpo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path)
     assert_same_run({k: v[3:] for k, v in one.items()}, resumed, keys)
 
 
+def test_grpo_process_supervision_and_reward_model_training_on_two_processes(tiny_model_dir, tiny_reward_model_dir, tmp_path):
+    # process supervision (step rewards gathered for --scale-rewards batch; the random tiny model writes no
+    # checkable equation, so each completion's one step is its final answer, scored by the reward model), the
+    # reward model scoring each process's share, Algorithm 1 with 2 iterations: the reward model is retrained on
+    # every process's samples (gathered) with replay, and the reference is reset to the policy
+    flags = ["--model-name-or-path", str(tiny_model_dir), "--reward-model-path", str(tiny_reward_model_dir),
+             "--task", "multistep", "--supervision", "process", "--scale-rewards", "batch", "--train-reward-model",
+             "--iterations", "2", "--rm-learning-rate", "1e-2", "--rm-eval-fraction", "0.25", "--total-steps", "4",
+             "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8", "--learning-rate", "1e-2",
+             "--temperature", "1.0", "--beta", "0.1", "--micro-batch-size", "4", "--generation-groups-per-call", "1",
+             "--eval-size", "2", "--eval-every", "0", "--sample-every", "0", "--save-every", "0", "--seed", "2",
+             "--torch-threads", "1"]
+    one = grpo_lm.main(common.parse_args(grpo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")]))
+    out = torchrun("grpo_lm.py", [*flags, "--runs-dir", str(tmp_path / "two")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    two = scalars(only_run_dir(tmp_path / "two"))
+    assert_same_run(one, two, ("reward/mean", "reward/verifiable_mean", "process/steps_per_completion", "loss/policy",
+                               "loss/kl", "optim/grad_norm", "reward_model/train_mse", "reward_model/heldout_accuracy",
+                               "reward_model/train_size"))
+    assert one["loss/kl"][2] == 0.0 and one["loss/kl"][1] > 0  # step 3 starts iteration 2: reference <- policy
+    assert one["reward_model/train_size"] == [24, 27]  # 32 samples, 8 held out; then 24 new + 3 replayed (10%)
+    assert max(one["optim/grad_norm"]) > 0
+
+
 def test_ppo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
     # global advantage and reward whitening, global KL for the adaptive controller, value gradients summed too
     flags = ["--model-name-or-path", str(tiny_model_dir), "--total-steps", "3", "--prompts-per-step", "8",
