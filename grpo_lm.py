@@ -208,7 +208,8 @@ def token_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     attention_mask = torch.cat([prompt_mask[prompt_index], completion_att], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     if share_prompt:
-        prefix = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+        prompt_positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+        prefix = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
                        logits_to_keep=1, use_cache=True)
         logits = prefix.logits[prompt_index]  # (B, 1, V): the last prompt token predicts the first completion token
         if T > 1:
@@ -753,9 +754,9 @@ def main(args: Args, task: common.Task | None = None,
             all_rewards = common.all_gather(rewards)  # (N_all,) every process's rewards, in global group order
             if args.train_reward_model:  # Algorithm 1: this iteration's samples, labelled by the verifiable reward
                 # gathered from every process, so each one trains the same reward model on the whole batch
-                rm_new += common.all_gather_objects([
-                    {"ids": batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist() + completion_ids[i][mask[i].bool()].tolist(),
-                     "label": batch["verifiable"][i].item()} for i in range(N)])
+                prompts = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
+                rm_new += common.all_gather_objects([{"ids": prompts[i] + completion_ids[i][mask[i].bool()].tolist(),
+                                                      "label": batch["verifiable"][i].item()} for i in range(N)])
             gen_time = time.time() - t0
 
             # ---- 3. Advantages ----
@@ -794,11 +795,12 @@ def main(args: Args, task: common.Task | None = None,
             micro_batches = []
             for i in range(0, N, args.micro_batch_size):
                 idx = order[i: i + args.micro_batch_size].to(device)
-                groups, prompt_index = torch.unique(idx // G, return_inverse=True)
-                first = int(batch["prompt_mask"][groups * G].any(0).float().argmax())  # first column with a real token
+                groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # the groups' prompts, once each
+                prompt_ids, prompt_mask = batch["prompt_ids"][groups * G], batch["prompt_mask"][groups * G]
+                first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
                 t_mb = int(lengths[idx].max())
-                micro_batches.append((idx, t_mb, (batch["prompt_ids"][groups * G, first:], batch["prompt_mask"][groups * G, first:],
-                                                  prompt_index, completion_ids[idx, :t_mb], mask[idx, :t_mb].long())))
+                micro_batches.append((idx, t_mb, (prompt_ids[:, first:], prompt_mask[:, first:], prompt_index,
+                                                  completion_ids[idx, :t_mb], mask[idx, :t_mb].long())))
             share = not args.gradient_checkpointing  # checkpointed layers drop the shared prompt's cache
             old_logp = torch.zeros(N, T, device=device)
             ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
