@@ -549,22 +549,26 @@ def fmt_params(millions: float) -> str:
 
 # What the table above showed when it was written (2026-11-23); re-check after new runs.
 READING = [
-    "Reading (runs of 2026-11-23):", "",
-    "- Same settings (TRL's activation checkpointing off): on the 14M-parameter model grpo_lm and TRL are equal "
-    "within noise (steps/s ratio 0.99, peak RSS ratio 1.00); on the 4M model grpo_lm is about 1.1x; on the 23K model, "
-    "where per-step overhead dominates, grpo_lm is 1.5x faster and uses 0.8x the memory (importing TRL alone costs "
-    "~0.2 GiB more than importing grpo_lm: 0.49 vs 0.29 GiB). Generation is about a third of each step on the 4M and 14M models (two thirds on the 23K one), in both.",
-    "- With TRL's default (activation checkpointing on), TRL recomputes activations in the backward pass: grpo_lm is "
-    "1.3-1.4x faster in steps/s, and on the 14M model TRL's peak RSS is 0.8x grpo_lm's (1.15 vs 1.43 GiB). grpo_lm has no "
-    "activation checkpointing to trade speed for memory.",
-    "- Peak RSS grows over the first steps in both (glibc malloc with varying batch shapes): a one-off check on the "
-    "14M model with MALLOC_MMAP_THRESHOLD_=131072 gave 1.15 GiB for grpo_lm and 0.90 GiB for TRL (activation "
-    "checkpointing on), each ~0.25-0.3 GiB below the default allocator's peak.",
-    "- Noise: the same command varied by up to ~30% in s/step between runs as other jobs' load changed "
-    "(e.g. 4x256 grpo_lm 2.7 to 4.5 s/step); ratios within ~10% of 1 mean no measurable difference.",
-    "- SmolLM2-135M was not run: the 1-min load average stayed above 1.5 (3.6 to 9) for the whole session, and the "
-    "brief allowed that model only below 1.5. Command for it (untested): `python benchmarks/trl_compare.py speed "
-    "--model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct --steps 3 --prompts-per-step 2 --group-size 4`.",
+    "Reading (runs of 2026-11-23, with grpo_lm's shared prompt pass):", "",
+    "- Same settings (TRL's activation checkpointing off): on SmolLM2-135M-Instruct grpo_lm is 1.86x faster in "
+    "steps/s at 0.61x TRL's peak RSS (5.4 vs 8.9 GiB). Generation, the same transformers `generate` in both, takes the "
+    "same time; the rest of the step takes 0.43x, mostly because grpo_lm runs each group's prompt through the policy "
+    "and the reference model once, with its keys and values shared by the G completions, where TRL runs each of the G "
+    "whole sequences. On the random tiny models: 1.54x (14M parameters), 1.48x (4M) and 1.31x (23K, where generation "
+    "is 70% of every step in both, so the faster rest of the step shows less).",
+    "- Against TRL's default (activation checkpointing on, which recomputes activations in the backward pass): "
+    "grpo_lm is 1.72x (14M), 1.71x (4M) and 1.45x (23K) faster, still at a lower peak RSS (0.97x, 0.88x, 0.82x).",
+    "- Before the shared prompt pass (same machine, earlier the same day) the SmolLM2 ratio was 1.26x at 0.86x the "
+    "memory, and 0.99x-1.5x on the tiny models.",
+    "- The 10-step SmolLM2 runs (one of each) give the reward curves below. Both start near 0.1; grpo_lm's batch "
+    "reward rose to 0.16-0.66 in steps 7-10, TRL's stayed at 0.03-0.28. With 32 samples a step, one run each is "
+    "too little to call that a difference (the sampling noise alone is about +-0.06 a step, and 0.66 is a single "
+    "batch); over 30 steps both are known to learn the task (README: grpo_lm 13% -> 66% held-out accuracy; "
+    "GUIDE.md's TRL run 7% -> 63%). The grpo_lm run of that pair was slowed by tests run beside it (34.9 s/step).",
+    "- Peak RSS grows over the first steps in both (glibc malloc with varying batch shapes).",
+    "- Noise: on this shared machine the same command can vary by 10-30% in s/step between runs as other jobs' load "
+    "changes; the runs here were made at a load of 0.9-2 on 2 cores, each pinned to core 0 with `taskset -c 0`, "
+    "with a MuJoCo benchmark on core 1.",
 ]
 
 
