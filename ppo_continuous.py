@@ -21,7 +21,7 @@ Differences from CleanRL's ppo_continuous_action.py (same defaults otherwise):
     process, are shared by all envs (CleanRL keeps one set per env), and are saved in the
     checkpoint; --eval-checkpoint evaluates with them frozen.
   * The rollout only samples actions, with the actor's mean computed by a NumPy copy of its
-    weights (same function to float32 rounding, a sixth of the per-step overhead); values and
+    weights (same function to float32 rounding, a sixth of torch's cost per call); values and
     log-probs of the whole rollout are computed in one batched torch pass afterwards (same
     parameters, same numbers, far less overhead).
 

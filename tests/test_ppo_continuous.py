@@ -303,19 +303,8 @@ def test_capture_video_records_the_first_episodes(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# the minibatch loss
+# the rollout's NumPy actor
 # ----------------------------------------------------------------------------------------------
-def _loss_batch():
-    """Two transitions whose ratios pi/pi_old are 1.5 and 0.5, and whose new values are known."""
-    torch.manual_seed(0)
-    agent = pc.Agent(3, 2)
-    obs, actions = torch.randn(2, 3), torch.randn(2, 2)
-    with torch.no_grad():
-        logp, _, value = agent.get_action_and_value(obs, actions)
-    old_logprobs = logp - torch.log(torch.tensor([1.5, 0.5]))
-    return agent, obs, actions, old_logprobs, value
-
-
 def test_numpy_actor_mean_matches_torch_and_tracks_updates():
     torch.manual_seed(0)
     agent = pc.Agent(17, 6)
@@ -330,6 +319,20 @@ def test_numpy_actor_mean_matches_torch_and_tracks_updates():
         agent.actor_mean[0].bias.add_(1.0)
     np.testing.assert_array_equal(mean(x.numpy()), out)
     assert np.abs(agent.numpy_actor_mean()(x.numpy()) - out).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# the minibatch loss
+# ----------------------------------------------------------------------------------------------
+def _loss_batch():
+    """Two transitions whose ratios pi/pi_old are 1.5 and 0.5, and whose new values are known."""
+    torch.manual_seed(0)
+    agent = pc.Agent(3, 2)
+    obs, actions = torch.randn(2, 3), torch.randn(2, 2)
+    with torch.no_grad():
+        logp, _, value = agent.get_action_and_value(obs, actions)
+    old_logprobs = logp - torch.log(torch.tensor([1.5, 0.5]))
+    return agent, obs, actions, old_logprobs, value
 
 
 def test_ppo_loss_hand_computed():
