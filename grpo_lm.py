@@ -791,10 +791,10 @@ def main(args: Args, task: common.Task | None = None,
             # (except for --loss-type bnpo, whose token mean is taken per micro-batch).
             t1 = time.time()
             lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
-            order = torch.tensor(sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])))
+            order = torch.tensor(sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])), device=device)
             micro_batches = []
             for i in range(0, N, args.micro_batch_size):
-                idx = order[i: i + args.micro_batch_size].to(device)
+                idx = order[i: i + args.micro_batch_size]
                 groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # the groups' prompts, once each
                 prompt_ids, prompt_mask = batch["prompt_ids"][groups * G], batch["prompt_mask"][groups * G]
                 first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
