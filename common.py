@@ -174,6 +174,9 @@ def setup_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     (``--device cpu`` or no GPU). Without them this is one process on ``device`` ('auto' = CUDA when
     present). On CUDA, TF32 matmuls and convolutions are enabled (about 3x faster than float32 on
     Ampere and later; the 10-bit mantissa is far below RL's noise). Pair with :func:`cleanup_distributed`.
+
+    Raises:
+        UsageError: ``torchrun`` started more processes on this machine than it has visible GPUs.
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -181,7 +184,10 @@ def setup_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
     rank, world = int(os.environ.get("RANK", "0")), world_size()
     if "RANK" in os.environ:
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            check(local_rank < gpus, f"--device: torchrun started process {local_rank} on this machine but only {gpus} "
+                  f"GPU(s) are visible; use --nproc_per_node <= {gpus}, or --device cpu for gloo on the CPU")
+            device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

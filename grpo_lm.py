@@ -436,6 +436,7 @@ def validate(args: Args) -> None:
     check(args.learning_rate > 0, "--learning-rate must be > 0")
     check(args.task in ("addition", "multistep") or args.dataset is not None,
           f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep' (or use --dataset)")
+    check(args.dataset is None or os.path.isfile(args.dataset), f"--dataset: dataset file {args.dataset} does not exist")
     check(args.supervision in ("outcome", "process"), f"--supervision must be 'outcome' or 'process', not {args.supervision!r}")
     check(args.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"),
           f"--loss-type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {args.loss_type!r}")

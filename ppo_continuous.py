@@ -201,8 +201,12 @@ def check_env_id(env_id: str) -> tuple[int, int]:
     try:
         env = gym.make(env_id)
     except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--env-id: cannot make {env_id!r}: {msg}") from None
+        def first_line(err: BaseException) -> str:
+            return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+        msg = first_line(e)  # gymnasium re-raises a failed MuJoCo import as "MuJoCo is not installed": keep the cause
+        cause = f" ({type(e.__cause__).__name__}: {first_line(e.__cause__)})" if e.__cause__ is not None else ""
+        raise UsageError(f"--env-id: cannot make {env_id!r}: {msg}{cause}") from None
     obs_space, act_space = env.observation_space, env.action_space
     env.close()
     common.check(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,6 +385,7 @@ def validate(args: Args) -> None:
     check(args.value_learning_rate is None or args.value_learning_rate > 0, "--value-learning-rate must be > 0")
     check(args.max_grad_norm > 0, "--max-grad-norm must be > 0")
     check(args.task == "addition" or args.dataset is not None, f"--task: unknown task {args.task!r}; built in: 'addition' (or use --dataset)")
+    check(args.dataset is None or os.path.isfile(args.dataset), f"--dataset: dataset file {args.dataset} does not exist")
     world = common.world_size()
     check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
           f"world size {world} (the number of torchrun processes)")

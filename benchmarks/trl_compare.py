@@ -91,16 +91,17 @@ def num_params(model_dir: str) -> int:
 
 def grpo_config(output_dir: str, *, group_size: int, batch: int, max_new_tokens: int, learning_rate: float,
                 temperature: float, beta: float, clip_range: float, steps: int, seed: int,
-                gradient_checkpointing: bool = False):
+                gradient_checkpointing: bool = False, device: str = "cpu"):
     """GRPOConfig matching grpo_lm.py's algorithm: DeepSeekMath GRPO, one update per generation batch.
 
     TRL 1.16 defaults to activation (gradient) checkpointing on; grpo_lm.py defaults to off, so it is off
-    unless ``gradient_checkpointing`` is set.
+    unless ``gradient_checkpointing`` is set. On ``device="cuda"`` both train float32 weights under
+    bfloat16 autocast (TRL ``bf16=True``, grpo_lm's default ``--bf16``).
     """
     from trl import GRPOConfig
 
     return GRPOConfig(
-        output_dir=output_dir, report_to="none", use_cpu=True, bf16=False, seed=seed,
+        output_dir=output_dir, report_to="none", use_cpu=device == "cpu", bf16=device == "cuda", seed=seed,
         loss_type="grpo",            # per-sequence 1/|o_i| mean, then mean over sequences (eq. 3)
         scale_rewards="group",       # (r - mean_group) / (std_group + 1e-4)
         beta=beta, epsilon=clip_range, num_iterations=1, importance_sampling_level="token",
@@ -401,10 +402,11 @@ def ours_metrics(run_dir: Path, N: int) -> dict:
     rewards = {e.step: e.value for e in acc.Scalars("reward/mean")}
     gen = {e.step: e.value for e in acc.Scalars("time/generation_s")}
     rss = {e.step: e.value for e in acc.Scalars("memory/peak_rss_gb")}  # ru_maxrss of the process so far
+    cuda = {e.step: e.value for e in acc.Scalars("memory/peak_cuda_gb")} if "memory/peak_cuda_gb" in acc.Tags()["scalars"] else {}
     steps = sorted(ends)
     return {"step_end_times": [ends[s] for s in steps], "completion_tokens": [lengths[s] * N for s in steps],
             "reward_mean": [rewards[s] for s in steps], "generation_s": [gen[s] for s in steps],
-            "peak_rss_gb_by_step": [rss[s] for s in steps]}
+            "peak_rss_gb_by_step": [rss[s] for s in steps], "peak_cuda_gb": max(cuda.values(), default=None)}
 
 
 def steady(metrics: dict) -> dict:
@@ -417,7 +419,8 @@ def steady(metrics: dict) -> dict:
     return {"steps_per_s": (len(t) - 1) / dt, "tokens_per_s": sum(toks[1:]) / dt, "s_per_step": dt / (len(t) - 1),
             "tokens_per_step": sum(toks[1:]) / (len(t) - 1), "generation_s_per_step": sum(gen) / len(gen),
             "rest_s_per_step": dt / (len(t) - 1) - sum(gen) / len(gen),
-            "rss_after_step1_gb": metrics["peak_rss_gb_by_step"][0], "rss_after_last_step_gb": metrics["peak_rss_gb_by_step"][-1]}
+            "rss_after_step1_gb": metrics["peak_rss_gb_by_step"][0], "rss_after_last_step_gb": metrics["peak_rss_gb_by_step"][-1],
+            **({"peak_cuda_gb": metrics["peak_cuda_gb"]} if metrics.get("peak_cuda_gb") is not None else {})}
 
 
 def run_speed(a: argparse.Namespace) -> None:
@@ -435,9 +438,10 @@ def run_speed(a: argparse.Namespace) -> None:
     N = P * G
     micro = a.micro_batch_size or N
     env = {**os.environ, "OMP_NUM_THREADS": str(a.torch_threads), "MKL_NUM_THREADS": str(a.torch_threads),
-           "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
-    tag = a.label or f"{Path(model_dir).name}_P{P}_G{G}_T{T}_S{S}" + ("_trlgc" if a.trl_gradient_checkpointing else "")
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
+           **({"CUDA_VISIBLE_DEVICES": ""} if a.device == "cpu" else {})}
+    tag = a.label or (f"{Path(model_dir).name}_P{P}_G{G}_T{T}_S{S}" + ("_trlgc" if a.trl_gradient_checkpointing else "")
+                      + ("_cuda" if a.device == "cuda" else ""))
     shared = ["--steps", str(S), "--prompts-per-step", str(P), "--group-size", str(G), "--max-new-tokens", str(T),
               "--learning-rate", str(a.learning_rate), "--temperature", str(a.temperature), "--beta", str(a.beta),
               "--clip-range", str(a.clip_range), "--seed", str(a.seed), "--torch-threads", str(a.torch_threads)]
@@ -452,12 +456,12 @@ def run_speed(a: argparse.Namespace) -> None:
                        "--learning-rate", str(a.learning_rate), "--temperature", str(a.temperature),
                        "--beta", str(a.beta), "--clip-range", str(a.clip_range), "--mu", "1",
                        "--micro-batch-size", str(micro), "--eval-size", "1", "--eval-batch-size", "1",
-                       "--eval-every", "0", "--sample-every", "0", "--save-every", "0", "--device", "cpu",
+                       "--eval-every", "0", "--sample-every", "0", "--save-every", "0", "--device", a.device,
                        "--torch-threads", str(a.torch_threads), "--seed", str(a.seed),
                        "--runs-dir", str(run_dir.parent), "--run-name", run_dir.name]
             else:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "_trl_child", "--model-dir", model_dir,
-                       "--out-json", str(run_dir / "trl_metrics.json"), *shared,
+                       "--out-json", str(run_dir / "trl_metrics.json"), "--device", a.device, *shared,
                        *(["--gradient-checkpointing"] if a.trl_gradient_checkpointing else [])]
             print(f"[{who} r{r}] " + " ".join("python" if c == sys.executable else c for c in cmd), flush=True)
             code, wall, rss = run_child(cmd, env)
@@ -475,20 +479,22 @@ def run_speed(a: argparse.Namespace) -> None:
 
     import torch
 
-    result = {"tag": tag, "model": model_label, "trl_gradient_checkpointing": a.trl_gradient_checkpointing, "params_m": n_params / 1e6, "P": P, "G": G, "T": T, "steps": S,
+    machine = MACHINE if a.device == "cpu" else f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
+    result = {"tag": tag, "model": model_label, "device": a.device, "machine": machine, "trl_gradient_checkpointing": a.trl_gradient_checkpointing, "params_m": n_params / 1e6, "P": P, "G": G, "T": T, "steps": S,
               "micro_batch": micro, "lr": a.learning_rate, "temperature": a.temperature, "beta": a.beta,
               "torch_threads": a.torch_threads, "repeats": a.repeats, "trl_version": trl_version(),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "load_before": load_before, "runs": runs,
               "command": "python benchmarks/trl_compare.py speed " + " ".join(sys.argv[2:])}
     for key in ("steps_per_s", "tokens_per_s", "peak_rss_gb", "s_per_step", "tokens_per_step",
-                "generation_s_per_step", "rest_s_per_step", "wall_s", "rss_after_step1_gb", "rss_after_last_step_gb"):
+                "generation_s_per_step", "rest_s_per_step", "wall_s", "rss_after_step1_gb", "rss_after_last_step_gb",
+                *(["peak_cuda_gb"] if a.device == "cuda" else [])):
         result[key] = {"ours": mean("ours", key), "trl": mean("trl", key)}
     result["mean_completion_len"] = {k: v / N for k, v in result["tokens_per_step"].items()}
     save_json(f"speed_{tag}", result)
-    o, t = result["steps_per_s"], result["peak_rss_gb"]
-    print(f"steps/s ours {o['ours']:.3f} TRL {o['trl']:.3f} (x{o['ours'] / o['trl']:.2f}); "
-          f"peak RSS ours {t['ours']:.2f} GiB TRL {t['trl']:.2f} GiB (x{t['ours'] / t['trl']:.2f})")
+    o, t = result["steps_per_s"], result["peak_cuda_gb" if a.device == "cuda" else "peak_rss_gb"]
+    print(f"steps/s ours {o['ours']:.3f} TRL {o['trl']:.3f} (x{o['ours'] / o['trl']:.2f}); peak "
+          f"{'CUDA memory' if a.device == 'cuda' else 'RSS'} ours {t['ours']:.2f} GiB TRL {t['trl']:.2f} GiB (x{t['ours'] / t['trl']:.2f})")
     render_results()
 
 
@@ -508,16 +514,20 @@ def run_trl_child(a: argparse.Namespace) -> None:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     ends: list[float] = []
     rss: list[float] = []
+    cuda: list[float] = []
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+                cuda.append(torch.cuda.max_memory_allocated() / 2**30)  # as grpo_lm logs memory/peak_cuda_gb
             ends.append(time.time())
             rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # KiB -> GiB, as grpo_lm logs it
 
     cfg = grpo_config(str(out_json.parent / "trl_out"), group_size=a.group_size, batch=a.prompts_per_step * a.group_size,
                       max_new_tokens=a.max_new_tokens, learning_rate=a.learning_rate, temperature=a.temperature,
                       beta=a.beta, clip_range=a.clip_range, steps=a.steps, seed=a.seed,
-                      gradient_checkpointing=a.gradient_checkpointing)
+                      gradient_checkpointing=a.gradient_checkpointing, device=a.device)
     cfg.disable_tqdm = True
     trainer = GRPOTrainer(model=a.model_dir, reward_funcs=addition_reward, args=cfg,
                           train_dataset=addition_dataset(tokenizer), processing_class=tokenizer, callbacks=[StepTimes()])
@@ -537,7 +547,7 @@ def run_trl_child(a: argparse.Namespace) -> None:
     out_json.write_text(json.dumps({"step_end_times": ends,
                                     "completion_tokens": [h["completions/mean_length"] * N for h in logs],
                                     "reward_mean": [h.get("reward") for h in logs], "generation_s": generation_s,
-                                    "peak_rss_gb_by_step": rss}))
+                                    "peak_rss_gb_by_step": rss, "peak_cuda_gb": max(cuda, default=None)}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -766,6 +776,8 @@ def main() -> None:
         sp.add_argument("--clip-range", type=float, default=0.2)
         sp.add_argument("--seed", type=int, default=1)
         sp.add_argument("--torch-threads", type=int, default=1)
+        sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: both train float32 weights under bf16 autocast; peak memory = torch's peak CUDA allocation")
 
     sp = sub.add_parser("speed", help="grpo_lm.py vs TRL GRPOTrainer, back to back")
     speed_flags(sp)

@@ -1,5 +1,7 @@
 """Several processes: `torchrun --nproc_per_node 2` (gloo, CPU) takes the same steps as one process.
 
+The gloo runs pass ``--device cpu``, so they test the same thing on a machine with GPUs.
+
 The 2-process runs are launched the way users launch them, ``python -m torch.distributed.run
 --nproc_per_node 2 --standalone script.py ...``, and their per-step scalars are read back from rank 0's
 TensorBoard events. Sampling is seeded per generation call from (seed, step, round, first global group),
@@ -66,7 +68,7 @@ def test_grpo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path)
              "--group-size", "4", "--max-new-tokens", "8", "--learning-rate", "1e-2", "--temperature", "1.0",
              "--beta", "0.1", "--mu", "2", "--format-reward", "1.0", "--loss-type", "dapo", "--scale-rewards", "batch", "--micro-batch-size", "4",
              "--generation-groups-per-call", "1", "--eval-size", "2", "--eval-every", "0", "--sample-every", "0",
-             "--save-every", "0", "--seed", "3", "--torch-threads", "1"]
+             "--save-every", "0", "--seed", "3", "--torch-threads", "1", "--device", "cpu"]
     keys = ("reward/mean", "reward/std", "completion/length_mean", "loss/policy", "loss/kl", "loss/ratio_max",
             "optim/grad_norm")
     one = grpo_lm.main(common.parse_args(grpo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one"), "--total-steps", "4"]))
@@ -91,7 +93,7 @@ def test_grpo_process_supervision_and_reward_model_training_on_two_processes(tin
              "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8", "--learning-rate", "1e-2",
              "--temperature", "1.0", "--beta", "0.1", "--micro-batch-size", "4", "--generation-groups-per-call", "1",
              "--eval-size", "2", "--eval-every", "0", "--sample-every", "0", "--save-every", "0", "--seed", "2",
-             "--torch-threads", "1"]
+             "--torch-threads", "1", "--device", "cpu"]
     one = grpo_lm.main(common.parse_args(grpo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")]))
     out = torchrun("grpo_lm.py", [*flags, "--runs-dir", str(tmp_path / "two")])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -110,7 +112,7 @@ def test_ppo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
              "--max-new-tokens", "8", "--learning-rate", "1e-2", "--temperature", "1.0", "--num-ppo-epochs", "2", "--format-reward", "1.0",
              "--micro-batch-size", "4", "--whiten-rewards", "--target-kl", "0.01", "--kl-horizon", "8",
              "--generation-prompts-per-call", "1", "--eval-size", "2", "--eval-every", "0", "--sample-every", "0",
-             "--save-every", "0", "--seed", "1", "--torch-threads", "1"]
+             "--save-every", "0", "--seed", "1", "--torch-threads", "1", "--device", "cpu"]
     one = ppo_lm.main(common.parse_args(ppo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")]))
     out = torchrun("ppo_lm.py", [*flags, "--runs-dir", str(tmp_path / "two")])
     assert out.returncode == 0, out.stderr[-3000:]
@@ -130,3 +132,20 @@ def test_batch_not_divisible_by_the_world_size_is_one_line(script, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
         "error: --prompts-per-step 3 must be divisible by the world size 2")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
+def test_nccl_on_one_gpu(script, tiny_model_dir, tmp_path):
+    # the multi-GPU code path (NCCL process group, DDP on cuda:LOCAL_RANK, bf16 autocast) on the one GPU a test
+    # machine has; more processes than GPUs are refused in one line
+    flags = ["--model-name-or-path", str(tiny_model_dir), "--total-steps", "2", "--prompts-per-step", "2",
+             "--max-new-tokens", "8", "--eval-size", "2", "--eval-every", "0", "--sample-every", "0", "--device", "cuda",
+             *(["--group-size", "4"] if script == "grpo_lm.py" else [])]
+    out = torchrun(script, [*flags, "--runs-dir", str(tmp_path / "one")], nproc=1)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = scalars(only_run_dir(tmp_path / "one"))
+    assert len(s["loss/policy"]) == 2 and s["memory/peak_cuda_gb"][-1] > 0
+    gpus = torch.cuda.device_count()
+    out = torchrun(script, [*flags, "--runs-dir", str(tmp_path / "many")], nproc=gpus + 1)
+    assert out.returncode != 0 and f"only {gpus} GPU(s) are visible; use --nproc_per_node <= {gpus}" in out.stderr

@@ -241,6 +241,23 @@ def test_bad_input_is_a_usage_error(tmp_path, kw, flag):
         pc.main(pc.Args(runs_dir=str(tmp_path), **kw))
 
 
+def test_env_that_cannot_be_made_names_the_cause(monkeypatch):
+    # gymnasium turns any failed MuJoCo import (e.g. mismatched mujoco / mujoco-core wheels) into
+    # "MuJoCo is not installed": the one-line error keeps the import error that caused it
+    def make(env_id, **kw):
+        try:
+            raise ImportError("Version mismatch between 'mujoco' (4.0.0) and 'mujoco-core' (4.0.1).\nPlease upgrade")
+        except ImportError as e:
+            raise gym.error.DependencyNotInstalled("MuJoCo is not installed, run `pip install \"gymnasium[mujoco]\"`") from e
+
+    monkeypatch.setattr(pc.gym, "make", make)
+    with pytest.raises(common.UsageError) as err:
+        pc.check_env_id("Hopper-v5")
+    assert str(err.value) == ("--env-id: cannot make 'Hopper-v5': MuJoCo is not installed, run `pip install "
+                              "\"gymnasium[mujoco]\"` (ImportError: Version mismatch between 'mujoco' (4.0.0) and "
+                              "'mujoco-core' (4.0.1).)")
+
+
 def _cli(*flags, cwd):
     return subprocess.run([sys.executable, str(ROOT / "ppo_continuous.py"), *flags], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
