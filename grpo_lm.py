@@ -34,6 +34,7 @@ Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import math
@@ -167,6 +168,8 @@ class Args:
     """sample with a vLLM engine colocated on each process's GPU (pip install vllm), weights synced every step"""
     vllm_gpu_memory_utilization: float = 0.3
     """with --use-vllm: fraction of the GPU's memory vLLM may take (weights and KV cache); training gets the rest"""
+    fast_generation: bool = False
+    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,6 +459,7 @@ def validate(args: Args) -> None:
     check(0 < args.vllm_gpu_memory_utilization < 1, "--vllm-gpu-memory-utilization must be in (0, 1)")
     check(not args.use_vllm or importlib.util.find_spec("vllm") is not None,
           "--use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)")
+    check(not (args.use_vllm and args.fast_generation), "--fast-generation and --use-vllm are two ways to sample: pick one")
 
 
 def make_task(args: Args) -> common.Task:
@@ -469,6 +473,9 @@ def make_task(args: Args) -> common.Task:
 def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task, reward_model, args: Args, device,
                      seed_keys: tuple[int, ...] = (0,), first_group: int = 0, llm=None) -> dict:
     """Steps 1-2 for one list of questions (each repeated G times): sample completions and reward them.
+
+    ``policy`` samples with ``transformers`` ``generate``: the policy itself, or with --fast-generation
+    its bfloat16 copy, with a static KV cache (which ``generate`` compiles, with CUDA graphs, on a GPU).
 
     Generation runs in calls of ``--generation-groups-per-call`` groups (default: all), each after
     reseeding torch from ``(*seed_keys, global index of the call's first group)``: the samples depend
@@ -497,10 +504,11 @@ def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task,
         for g in range(0, len(prompts), per_call):
             torch.manual_seed(common.sampling_seed(*seed_keys, first_group + g))
             ids, att = common.pad_left([p for p in prompts[g: g + per_call] for _ in range(G)], tokenizer.pad_token_id, device)
-            with torch.no_grad(), common.bf16_autocast(device, args.bf16):
+            with torch.no_grad(), common.bf16_autocast(device, args.bf16 and not args.fast_generation):
                 sequences = policy.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=args.temperature,
                                             top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
-                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                            cache_implementation="static" if args.fast_generation else None)
             rows += sequences[:, ids.shape[1]:].tolist()
     prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
     T = max(len(r) for r in rows)
@@ -690,6 +698,10 @@ def main(args: Args, task: common.Task | None = None,
     ckpt_path = run_dir / "checkpoint.pt"
     history: dict[str, list[float]] = {}
     llm = make_vllm_engine(args, common.resolve_model_path(args.model_name_or_path), rank, world) if args.use_vllm else None
+    # --fast-generation: the sampler is a bfloat16 copy of the policy, refreshed in place before every sampling step
+    # (in place, so the CUDA graphs compiled for it stay valid). Log probs still come from the float32 policy, so the
+    # ratio and KL are exact for the sampled tokens, as with vLLM; only the sampling distribution is rounded to bf16.
+    sampler = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False).eval() if args.fast_generation else policy
 
     def log(step: int, scalars: dict) -> None:
         for key, value in scalars.items():
@@ -729,12 +741,16 @@ def main(args: Args, task: common.Task | None = None,
             t0 = time.time()
             if llm is not None:
                 sync_vllm_weights(llm, policy)
+            if sampler is not policy:
+                with torch.no_grad():
+                    for s, p in zip(sampler.parameters(), policy.parameters()):
+                        s.copy_(p)
             rounds, varied = [], []
             for r in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
                 picks = np.random.default_rng([args.seed, step] + ([r] if r else [])).choice(
                     len(train), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
                 examples = [train[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-                rounds.append(sample_and_score(policy, tokenizer, examples, task, reward_model, args, device,
+                rounds.append(sample_and_score(sampler, tokenizer, examples, task, reward_model, args, device,
                                                (args.seed, step, r), first_group, llm))
                 grouped = rounds[-1]["rewards"].view(-1, G)
                 varied += [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]

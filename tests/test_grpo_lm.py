@@ -233,6 +233,13 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
     assert history["loss/kl"][-1] > 0  # the policy moved away from the reference
 
 
+def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
+    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights follow the policy
+    history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=25, fast_generation=True), task=digit_task())
+    rewards = history["reward/mean"]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+
+
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=4, save_every=2, mu=2), task=digit_task())
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, mu=2), task=digit_task())
