@@ -168,6 +168,8 @@ class Args:
     """sample with a vLLM engine colocated on each process's GPU (pip install vllm), weights synced every step"""
     vllm_gpu_memory_utilization: float = 0.3
     """with --use-vllm: fraction of the GPU's memory vLLM may take (weights and KV cache); training gets the rest"""
+    share_prompt: bool = True
+    """log probs: each group's prompt through the model once, its keys/values shared by the G completions (off: whole sequences)"""
     fast_generation: bool = False
     """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
 
@@ -818,7 +820,7 @@ def main(args: Args, task: common.Task | None = None,
                 t_mb = int(lengths[idx].max())
                 micro_batches.append((idx, t_mb, (prompt_ids[:, first:], prompt_mask[:, first:], prompt_index,
                                                   completion_ids[idx, :t_mb], mask[idx, :t_mb].long())))
-            share = not args.gradient_checkpointing  # checkpointed layers drop the shared prompt's cache
+            share = args.share_prompt and not args.gradient_checkpointing  # checkpointed layers drop the shared prompt's cache
             old_logp = torch.zeros(N, T, device=device)
             ref_logp = torch.zeros(N, T, device=device) if reference is not None else None
             with torch.no_grad(), common.bf16_autocast(device, args.bf16):

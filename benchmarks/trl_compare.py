@@ -24,7 +24,7 @@ default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py's --
     python benchmarks/trl_compare.py speed --device cuda --torch-threads 4 \
         --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct --steps 30 --max-new-tokens 64 --seed 1
 On ``--device cuda`` both trainers keep float32 weights under bf16 autocast and peak memory is torch's
-peak CUDA allocation; ``--fast-generation`` passes that flag to grpo_lm.py.
+peak CUDA allocation; ``--fast-generation`` and ``--no-share-prompt`` pass those flags to grpo_lm.py.
 
 Both subcommands write JSON to benchmarks/out/trl_compare/ (gitignored) and re-render
 benchmarks/trl_compare_results.md from every JSON there (``report`` only re-renders).
@@ -445,7 +445,7 @@ def run_speed(a: argparse.Namespace) -> None:
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
            **({"CUDA_VISIBLE_DEVICES": ""} if a.device == "cpu" else {})}
     tag = a.label or (f"{Path(model_dir).name}_P{P}_G{G}_T{T}_S{S}" + ("_trlgc" if a.trl_gradient_checkpointing else "")
-                      + ("_cuda" if a.device == "cuda" else "") + ("_fastgen" if a.fast_generation else ""))
+                      + ("_cuda" if a.device == "cuda" else "") + ("_fastgen" if a.fast_generation else "") + ("_noshare" if a.no_share_prompt else ""))
     shared = ["--steps", str(S), "--prompts-per-step", str(P), "--group-size", str(G), "--max-new-tokens", str(T),
               "--learning-rate", str(a.learning_rate), "--temperature", str(a.temperature), "--beta", str(a.beta),
               "--clip-range", str(a.clip_range), "--seed", str(a.seed), "--torch-threads", str(a.torch_threads)]
@@ -463,7 +463,8 @@ def run_speed(a: argparse.Namespace) -> None:
                        "--eval-every", "0", "--sample-every", "0", "--save-every", "0", "--device", a.device,
                        "--torch-threads", str(a.torch_threads), "--seed", str(a.seed),
                        "--runs-dir", str(run_dir.parent), "--run-name", run_dir.name,
-                       *(["--fast-generation"] if a.fast_generation else [])]
+                       *(["--fast-generation"] if a.fast_generation else []),
+                       *(["--no-share-prompt"] if a.no_share_prompt else [])]
             else:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "_trl_child", "--model-dir", model_dir,
                        "--out-json", str(run_dir / "trl_metrics.json"), "--device", a.device, *shared,
@@ -860,6 +861,8 @@ def main() -> None:
     sp.add_argument("--label", default=None, help="name of the JSON result (default from model and sizes)")
     sp.add_argument("--fast-generation", action="store_true",
                     help="grpo_lm.py --fast-generation: sample from a bf16 copy with a static, compiled KV cache (GPU)")
+    sp.add_argument("--no-share-prompt", action="store_true",
+                    help="grpo_lm.py --no-share-prompt: log probs over whole sequences, as TRL computes them")
     sp.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL with its default activation checkpointing on (grpo_lm.py's --gradient-checkpointing stays off; default: off)")
 

@@ -305,9 +305,11 @@ def test_use_vllm_without_vllm_is_one_line(tmp_path):
         "error: --use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)"
 
 
-def test_gradient_checkpointing_takes_the_same_steps(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True), dict(share_prompt=False)])
+def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, flags):
+    # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared prompt pass
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", beta=0.1), task=digit_task())
-    ckpt = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, gradient_checkpointing=True), task=digit_task())
+    ckpt = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, **flags), task=digit_task())
     # float32 on the CPU; on CUDA, bf16 autocast rounds the checkpointed whole-sequence pass and the shared
     # prompt pass differently (measured on an H100: 3e-4 relative on a policy loss of 6e-4)
     tol = dict(rel=2e-3, abs=1e-6) if torch.cuda.is_available() else dict(rel=1e-5, abs=1e-7)
