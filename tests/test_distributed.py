@@ -137,8 +137,8 @@ def test_batch_not_divisible_by_the_world_size_is_one_line(script, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
 def test_nccl_on_one_gpu(script, tiny_model_dir, tmp_path):
-    # the multi-GPU code path (NCCL process group, DDP on cuda:LOCAL_RANK, bf16 autocast) on the one GPU a test
-    # machine has; more processes than GPUs are refused in one line
+    # the multi-GPU code path (NCCL process group, gradient all-reduce on cuda:LOCAL_RANK, bf16 autocast) on
+    # the one GPU a test machine has; more processes than GPUs are refused in one line
     flags = ["--model-name-or-path", str(tiny_model_dir), "--total-steps", "2", "--prompts-per-step", "2",
              "--max-new-tokens", "8", "--eval-size", "2", "--eval-every", "0", "--sample-every", "0", "--device", "cuda",
              *(["--group-size", "4"] if script == "grpo_lm.py" else [])]
