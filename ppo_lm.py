@@ -28,6 +28,7 @@ Usage:  python ppo_lm.py          (see --help for every flag)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -145,6 +146,8 @@ class Args:
     """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay float32); no-op on CPU"""
     gradient_checkpointing: bool = False
     """recompute the policy's and value model's activations in the backward pass: less memory, ~30% slower"""
+    fast_generation: bool = False
+    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,6 +499,9 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     writer = common.make_writer(run_dir, args) if is_main else None
     ckpt_path = run_dir / "checkpoint.pt"
     history: dict[str, list[float]] = {}
+    # --fast-generation: the sampler is a bfloat16 copy of the policy, refreshed in place before every rollout (in
+    # place, so the CUDA graphs compiled for it stay valid). Log probs still come from the float32 policy (step 2).
+    sampler = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False).eval() if args.fast_generation else policy
 
     def log(step: int, scalars: dict) -> None:
         for key, value in scalars.items():
@@ -531,14 +537,19 @@ def main(args: Args, task: common.Task | None = None) -> dict:
             examples = [train[i] for i in picks]
             prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"]), add_special_tokens=False)["input_ids"]
                        for ex in examples]
+            if sampler is not policy:
+                with torch.no_grad():
+                    for s, p in zip(sampler.parameters(), policy.parameters()):
+                        s.copy_(p)
             rows, per_call = [], args.generation_prompts_per_call or N
             for i in range(0, N, per_call):
                 torch.manual_seed(common.sampling_seed(args.seed, step, first + i))
                 ids, att = common.pad_left(prompts[i: i + per_call], tokenizer.pad_token_id, device)
-                with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-                    sequences = policy.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=args.temperature,
-                                                top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
-                                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                with torch.no_grad(), common.bf16_autocast(device, args.bf16 and not args.fast_generation):
+                    sequences = sampler.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=args.temperature,
+                                                 top_p=args.top_p, top_k=0, max_new_tokens=args.max_new_tokens,
+                                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                                 cache_implementation="static" if args.fast_generation else None)
                 rows += sequences[:, ids.shape[1]:].tolist()
             prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id, device)
             T = max(len(r) for r in rows)

@@ -179,6 +179,14 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
     assert history["memory/peak_rss_gb"][-1] > 0
 
 
+def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
+    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights follow the policy
+    history = ppo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01, fast_generation=True),
+                          task=digit_task())
+    rewards = history["reward/mean"]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4, rewards
+
+
 def test_missing_eos_penalty_is_added_to_the_score(tiny_model_dir, tmp_path):
     h = ppo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, max_new_tokens=3, missing_eos_penalty=-1.0,
                               eval_size=1), task=digit_task())
