@@ -441,7 +441,6 @@ def validate(args: Args) -> None:
     check(args.learning_rate > 0, "--learning-rate must be > 0")
     check(args.task in ("addition", "multistep") or args.dataset is not None,
           f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep' (or use --dataset)")
-    check(args.dataset is None or os.path.isfile(args.dataset), f"--dataset: dataset file {args.dataset} does not exist")
     check(args.supervision in ("outcome", "process"), f"--supervision must be 'outcome' or 'process', not {args.supervision!r}")
     check(args.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"),
           f"--loss-type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {args.loss_type!r}")
@@ -651,6 +650,7 @@ def main(args: Args, task: common.Task | None = None,
     check(not args.use_vllm or device.type == "cuda", "--use-vllm needs a CUDA device")
     checkpoint = common.load_checkpoint(args.resume) if args.resume else None
     common.seed_everything(args.seed)
+    task = task or make_task(args)  # before the models load: a bad --dataset fails at once
 
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     policy = common.load_model(args.model_name_or_path, device=device).eval()  # dropout is off everywhere
@@ -673,7 +673,6 @@ def main(args: Args, task: common.Task | None = None,
         rm_optimizer = torch.optim.AdamW(reward_model.parameters(), lr=args.rm_learning_rate)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
 
-    task = task or make_task(args)
     prompt_lengths = [len(ids) for ids in tokenizer([common.build_prompt(tokenizer, ex["question"]) for ex in task.train],
                                                     add_special_tokens=False)["input_ids"]]
     train = [ex for ex, n in zip(task.train, prompt_lengths) if n <= args.max_prompt_length]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -388,7 +387,6 @@ def validate(args: Args) -> None:
     check(args.value_learning_rate is None or args.value_learning_rate > 0, "--value-learning-rate must be > 0")
     check(args.max_grad_norm > 0, "--max-grad-norm must be > 0")
     check(args.task == "addition" or args.dataset is not None, f"--task: unknown task {args.task!r}; built in: 'addition' (or use --dataset)")
-    check(args.dataset is None or os.path.isfile(args.dataset), f"--dataset: dataset file {args.dataset} does not exist")
     world = common.world_size()
     check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
           f"world size {world} (the number of torchrun processes)")
@@ -444,6 +442,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     is_main = rank == 0  # only rank 0 logs, evaluates and writes checkpoints
     checkpoint = common.load_checkpoint(args.resume) if args.resume else None
     common.seed_everything(args.seed)
+    task = task or make_task(args)  # before the models load: a bad --dataset fails at once
 
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     policy = common.load_model(args.model_name_or_path, device=device).eval()  # dropout is off everywhere
@@ -478,7 +477,6 @@ def main(args: Args, task: common.Task | None = None) -> dict:
          {"params": list(value_model.parameters()), "lr": args.value_learning_rate or args.learning_rate}],
         eps=args.adam_eps, weight_decay=args.weight_decay)
 
-    task = task or make_task(args)
     prompt_lengths = [len(ids) for ids in tokenizer([common.build_prompt(tokenizer, ex["question"]) for ex in task.train],
                                                     add_special_tokens=False)["input_ids"]]
     train = [ex for ex, n in zip(task.train, prompt_lengths) if n <= args.max_prompt_length]
