@@ -191,6 +191,11 @@ class FastRunningMeanStd(RunningMeanStd):
             super().update(x)
 
 
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message ('' when it has none), for one-line errors."""
+    return (str(err).strip().splitlines() or [""])[0]
+
+
 def check_env_id(env_id: str) -> tuple[int, int]:
     """Make ``env_id`` once to check it; returns ``(obs_dim, act_dim)``.
 
@@ -201,12 +206,10 @@ def check_env_id(env_id: str) -> tuple[int, int]:
     try:
         env = gym.make(env_id)
     except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
-        def first_line(err: BaseException) -> str:
-            return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-        msg = first_line(e)  # gymnasium re-raises a failed MuJoCo import as "MuJoCo is not installed": keep the cause
-        cause = f" ({type(e.__cause__).__name__}: {first_line(e.__cause__)})" if e.__cause__ is not None else ""
-        raise UsageError(f"--env-id: cannot make {env_id!r}: {msg}{cause}") from None
+        msg = _first_line(e) or type(e).__name__
+        cause = e.__cause__  # gymnasium re-raises a failed MuJoCo import as "MuJoCo is not installed": keep the cause
+        why = f" ({type(cause).__name__}: {_first_line(cause) or type(cause).__name__})" if cause is not None else ""
+        raise UsageError(f"--env-id: cannot make {env_id!r}: {msg}{why}") from None
     obs_space, act_space = env.observation_space, env.action_space
     env.close()
     common.check(
@@ -529,8 +532,7 @@ def _check_video(flag: str, env_id: str) -> None:
         frame = env.render()
         env.close()
     except Exception as e:  # noqa: BLE001 - GL and renderer errors have no common base class
-        first_line = (str(e).strip().splitlines() or [""])[0][:120]
-        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {first_line}); "
+        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {_first_line(e)[:120]}); "
                          f"on a machine without a display try MUJOCO_GL=egl or MUJOCO_GL=osmesa") from None
     common.check(isinstance(frame, np.ndarray) and frame.ndim == 3, f"{flag}: {env_id} rendered no RGB frame")
 
