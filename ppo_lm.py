@@ -475,7 +475,8 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     optimizer = torch.optim.AdamW(
         [{"params": list(policy.parameters()), "lr": args.learning_rate},
          {"params": list(value_model.parameters()), "lr": args.value_learning_rate or args.learning_rate}],
-        eps=args.adam_eps, weight_decay=args.weight_decay)
+        eps=args.adam_eps, weight_decay=args.weight_decay,
+        fused=device.type == "cuda")  # one kernel for the whole AdamW update on CUDA (same math)
 
     prompt_lengths = [len(ids) for ids in tokenizer([common.build_prompt(tokenizer, ex["question"]) for ex in task.train],
                                                     add_special_tokens=False)["input_ids"]]
