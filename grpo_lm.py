@@ -535,7 +535,7 @@ def sample_and_score(policy, tokenizer, examples: list[dict], task: common.Task,
             "verifiable": verifiable, "correct": correct}
 
 
-# ---- --use-vllm: generation with a colocated vLLM engine (CUDA only, not exercised by the CPU tests) ----
+# ---- --use-vllm: generation with a colocated vLLM engine (CUDA only; the glue is tested with a stand-in) ----
 def make_vllm_engine(args: Args, model_dir: str, rank: int, world: int):
     """A ``vllm.LLM`` on this process's GPU, loaded from the policy's directory (one engine per process).
 
@@ -555,9 +555,12 @@ def make_vllm_engine(args: Args, model_dir: str, rank: int, world: int):
         for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
                            "MASTER_PORT": str(port)}.items():
             os.environ.setdefault(key, value)
+    # max_num_batched_tokens=4096 as TRL: vLLM's start-up memory profile runs a batch of that many tokens, and
+    # the default (32768) can leave no room for the KV cache under a small --vllm-gpu-memory-utilization
     return vllm.LLM(model=model_dir, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                     max_model_len=args.max_prompt_length + args.max_new_tokens, seed=args.seed + rank,
-                    dtype="bfloat16" if args.bf16 else "auto", distributed_executor_backend="external_launcher")
+                    dtype="bfloat16" if args.bf16 else "auto", distributed_executor_backend="external_launcher",
+                    max_num_batched_tokens=max(4096, args.max_prompt_length + args.max_new_tokens))
 
 
 def sync_vllm_weights(llm, policy) -> None:

@@ -305,6 +305,34 @@ def test_use_vllm_without_vllm_is_one_line(tmp_path):
         "error: --use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)"
 
 
+def test_vllm_glue_with_a_stand_in_engine(monkeypatch, tiny_model_dir):
+    # vLLM itself needs a CUDA GPU; this stand-in checks our side of the glue: one request of n = G samples per
+    # group with that group's seed, the rows kept in group order, the stop token put back where vLLM left it
+    # out, every weight pushed by its HF name, and the prefix cache dropped after the push
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setitem(sys.modules, "vllm", NS(SamplingParams=NS))  # SamplingParams(**kw) -> a record of kw
+    EOS = 3
+    outputs = [NS(outputs=[NS(token_ids=[5, 6], finish_reason="stop"), NS(token_ids=[7, EOS], finish_reason="stop")]),
+               NS(outputs=[NS(token_ids=[8, 9, 10], finish_reason="length"), NS(token_ids=[], finish_reason="stop")])]
+    loaded, calls = [], []
+    model = NS(load_weights=lambda pairs: loaded.extend(pairs))
+    llm = NS(llm_engine=NS(model_executor=NS(driver_worker=NS(model_runner=NS(model=model)))),
+             reset_prefix_cache=lambda: calls.append("reset"),
+             generate=lambda requests, params, use_tqdm: calls.append((requests, params)) or outputs)
+    args = grpo_lm.Args(group_size=2, temperature=0.7, top_p=0.9, max_new_tokens=3)
+    rows = grpo_lm.vllm_generate(llm, [[1, 2], [4]], [11, 12], EOS, args)
+    assert rows == [[5, 6, EOS], [7, EOS], [8, 9, 10], [EOS]]
+    requests, params = calls[0]
+    assert requests == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [4]}]
+    assert [vars(p) for p in params] == [dict(n=2, temperature=0.7, top_p=0.9, top_k=0, max_tokens=3, seed=seed,
+                                              stop_token_ids=[EOS]) for seed in (11, 12)]
+    policy = common.load_model(str(tiny_model_dir), device=torch.device("cpu"))
+    grpo_lm.sync_vllm_weights(llm, policy)
+    assert [(n, t.data_ptr()) for n, t in loaded] == [(n, p.data_ptr()) for n, p in policy.named_parameters()]
+    assert calls[-1] == "reset" and len(loaded) > 0
+
+
 @pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True), dict(share_prompt=False)])
 def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, flags):
     # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared prompt pass
