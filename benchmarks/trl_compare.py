@@ -95,12 +95,13 @@ def num_params(model_dir: str) -> int:
 
 def grpo_config(output_dir: str, *, group_size: int, batch: int, max_new_tokens: int, learning_rate: float,
                 temperature: float, beta: float, clip_range: float, steps: int, seed: int,
-                gradient_checkpointing: bool = False, device: str = "cpu"):
+                gradient_checkpointing: bool = False, device: str = "cpu", cache_implementation: str | None = None):
     """GRPOConfig matching grpo_lm.py's algorithm: DeepSeekMath GRPO, one update per generation batch.
 
     TRL 1.16 defaults to activation (gradient) checkpointing on; grpo_lm.py defaults to off, so it is off
     unless ``gradient_checkpointing`` is set. On ``device="cuda"`` both train float32 weights under
-    bfloat16 autocast (TRL ``bf16=True``, grpo_lm's default ``--bf16``).
+    bfloat16 autocast (TRL ``bf16=True``, grpo_lm's default ``--bf16``). ``cache_implementation``
+    is TRL's own switch for faster transformers generation (e.g. ``"static"``); default: off, as in TRL.
     """
     from trl import GRPOConfig
 
@@ -117,6 +118,7 @@ def grpo_config(output_dir: str, *, group_size: int, batch: int, max_new_tokens:
         max_grad_norm=1.0, optim="adamw_torch", max_steps=steps, logging_steps=1, save_strategy="no",
         disable_dropout=True, dataloader_num_workers=0, log_completions=False,
         model_init_kwargs={"dtype": "float32"}, gradient_checkpointing=gradient_checkpointing,
+        cache_implementation=cache_implementation,
     )
 
 
@@ -445,7 +447,9 @@ def run_speed(a: argparse.Namespace) -> None:
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
            **({"CUDA_VISIBLE_DEVICES": ""} if a.device == "cpu" else {})}
     tag = a.label or (f"{Path(model_dir).name}_P{P}_G{G}_T{T}_S{S}" + ("_trlgc" if a.trl_gradient_checkpointing else "")
-                      + ("_cuda" if a.device == "cuda" else "") + ("_fastgen" if a.fast_generation else "") + ("_noshare" if a.no_share_prompt else ""))
+                      + ("_cuda" if a.device == "cuda" else "") + ("_fastgen" if a.fast_generation else "")
+                      + ("_noshare" if a.no_share_prompt else "")
+                      + (f"_trl{a.trl_cache_implementation}" if a.trl_cache_implementation else ""))
     shared = ["--steps", str(S), "--prompts-per-step", str(P), "--group-size", str(G), "--max-new-tokens", str(T),
               "--learning-rate", str(a.learning_rate), "--temperature", str(a.temperature), "--beta", str(a.beta),
               "--clip-range", str(a.clip_range), "--seed", str(a.seed), "--torch-threads", str(a.torch_threads)]
@@ -468,7 +472,8 @@ def run_speed(a: argparse.Namespace) -> None:
             else:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "_trl_child", "--model-dir", model_dir,
                        "--out-json", str(run_dir / "trl_metrics.json"), "--device", a.device, *shared,
-                       *(["--gradient-checkpointing"] if a.trl_gradient_checkpointing else [])]
+                       *(["--gradient-checkpointing"] if a.trl_gradient_checkpointing else []),
+                       *(["--cache-implementation", a.trl_cache_implementation] if a.trl_cache_implementation else [])]
             print(f"[{who} r{r}] " + " ".join("python" if c == sys.executable else c for c in cmd), flush=True)
             code, wall, rss = run_child(cmd, env)
             if code != 0:
@@ -486,7 +491,9 @@ def run_speed(a: argparse.Namespace) -> None:
     import torch
 
     machine = MACHINE if a.device == "cpu" else f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
-    result = {"tag": tag, "model": model_label, "device": a.device, "machine": machine, "trl_gradient_checkpointing": a.trl_gradient_checkpointing, "params_m": n_params / 1e6, "P": P, "G": G, "T": T, "steps": S,
+    result = {"tag": tag, "model": model_label, "device": a.device, "machine": machine,
+              "trl_gradient_checkpointing": a.trl_gradient_checkpointing, "trl_cache_implementation": a.trl_cache_implementation, "fast_generation": a.fast_generation,
+              "share_prompt": not a.no_share_prompt, "params_m": n_params / 1e6, "P": P, "G": G, "T": T, "steps": S,
               "micro_batch": micro, "lr": a.learning_rate, "temperature": a.temperature, "beta": a.beta,
               "torch_threads": a.torch_threads, "repeats": a.repeats, "trl_version": trl_version(),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -533,7 +540,8 @@ def run_trl_child(a: argparse.Namespace) -> None:
     cfg = grpo_config(str(out_json.parent / "trl_out"), group_size=a.group_size, batch=a.prompts_per_step * a.group_size,
                       max_new_tokens=a.max_new_tokens, learning_rate=a.learning_rate, temperature=a.temperature,
                       beta=a.beta, clip_range=a.clip_range, steps=a.steps, seed=a.seed,
-                      gradient_checkpointing=a.gradient_checkpointing, device=a.device)
+                      gradient_checkpointing=a.gradient_checkpointing, device=a.device,
+                      cache_implementation=a.cache_implementation)
     cfg.disable_tqdm = True
     trainer = GRPOTrainer(model=a.model_dir, reward_funcs=addition_reward, args=cfg,
                           train_dataset=addition_dataset(tokenizer), processing_class=tokenizer, callbacks=[StepTimes()])
@@ -582,6 +590,15 @@ READING = [
     "samples are too few to tell the trainers apart: the longer GPU runs (next section: three seeds, 30 steps, 64 "
     "tokens) give the same curves within noise. The grpo_lm run of the "
     "seed-1 pair was slowed by tests run beside it (34.9 s/step).",
+    "- Run to run: the 14M pair, rerun at 07:35 UTC, gave 1.40x where it gave 1.54x at 05:09. TRL's s/step was the "
+    "same both times (4.7-5.0), grpo_lm's rose from 3.1 to 3.5-3.7. This was the machine, not a code change: the "
+    "grpo_lm.py of 05:34 and of 07:35, run back to back with the same command, both took 3.6 s/step. On the tiny "
+    "models, then, grpo_lm is 1.3-1.5x TRL's steps/s on this shared machine, not reliably 1.5x; on SmolLM2 it is "
+    "1.6-1.9x in every pair.",
+    "- TRL's own faster-generation switch, `cache_implementation=\"static\"` (`--trl-cache-implementation static`), "
+    "does not change the picture on a CPU, where nothing compiles the static cache: TRL's generation took 12.3 s/step "
+    "on SmolLM2 (11.1-11.5 with its default cache) and 1.41-1.44 s/step on the 14M model (1.34-1.49), and the ratios "
+    "were 1.89x and 1.30x. Not yet run on a GPU, where transformers compiles it.",
     "- Peak RSS grows over the first steps in both (glibc malloc with varying batch shapes).",
     "- Noise: on this shared machine the same command can vary by 10-30% in s/step between runs as other jobs' load "
     "changes; the runs here were made at a load of 0.9-2 on 2 cores, each pinned to core 0 with `taskset -c 0`, "
@@ -614,8 +631,11 @@ READING_GPU = [
 ]
 
 
-def gc_label(r: dict) -> str:
-    return "on (TRL's default)" if r.get("trl_gradient_checkpointing") else "off (as grpo_lm)"
+def trl_label(r: dict) -> str:
+    """TRL's settings that differ between rows: activation checkpointing, and its generation cache switch."""
+    gc = "checkpointing on (TRL's default)" if r.get("trl_gradient_checkpointing") else "checkpointing off (as grpo_lm)"
+    cache = r.get("trl_cache_implementation")
+    return gc + (f", cache_implementation=\"{cache}\"" if cache else "")
 
 
 def run_details(rs: list[dict]) -> list[str]:
@@ -628,7 +648,7 @@ def run_details(rs: list[dict]) -> list[str]:
             o, t = r[key]["ours"], r[key]["trl"]
             return f"| {label} | {o:{fmt}} | {t:{fmt}} | {o / t:.2f} |"
         lines += ["", f"### {r['model']}, {fmt_params(r['params_m'])} parameters, P={r['P']} x G={r['G']}, "
-                  f"{r['T']} max tokens, {r['steps']} steps, TRL activation checkpointing {gc_label(r)}", "",
+                  f"{r['T']} max tokens, {r['steps']} steps, TRL activation {trl_label(r)}", "",
                   f"{r['date']}, TRL {r['trl_version']}, torch {r['torch']}, torch threads {r['torch_threads']}, "
                   f"{r['repeats']} run(s) of each (order alternating); "
                   + (f"{r['machine']}. Command:" if r.get("device") == "cuda" else
@@ -764,7 +784,8 @@ def render_results() -> None:
     every = [json.loads(path.read_text()) for path in sorted(OUT.glob("speed_*.json"))]
     rs = [r for r in every if r.get("device", "cpu") == "cpu"]
     if rs:
-        rs.sort(key=lambda r: (bool(r.get("trl_gradient_checkpointing")), r["params_m"]))
+        rs.sort(key=lambda r: (bool(r.get("trl_gradient_checkpointing")), bool(r.get("trl_cache_implementation")),
+                               r["params_m"]))
         lines += ["## Speed: side by side on the same machine", "",
                   "Both trainers in their own subprocess, one after the other, on the same model directory and "
                   "settings: prompts per step P, G, max completion tokens, lr 1e-5 (constant), temperature 0.7, "
@@ -772,7 +793,8 @@ def render_results() -> None:
                   "(grpo_lm mu=1, TRL num_iterations=1), grad-norm clip 1.0, AdamW, the whole batch in one "
                   "forward/backward (grpo_lm `--micro-batch-size` = P*G, TRL per_device_train_batch_size = P*G, "
                   "gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type=\"grpo\", TRL's activation "
-                  "checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's --gradient-checkpointing is off by default) unless a row says on, the addition "
+                  "checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's --gradient-checkpointing is off by default) unless a row says on, "
+                  "TRL's default dynamic KV cache unless a row names cache_implementation, the addition "
                   "task's training problems and `common.outcome_reward` as the reward. s/step, steps/s and "
                   "completion tokens/s are measured over steps 2..S (from the end of step 1 to the end of step S; "
                   "step 1 is warm-up; model loading and grpo_lm's one-question start/end evaluation fall outside). "
@@ -782,12 +804,12 @@ def render_results() -> None:
                   "nearly all 0; the work per step (sampling, reference and policy forward, backward, optimizer "
                   "step) does not depend on the reward values. Ratios are grpo_lm / TRL: > 1 means grpo_lm is "
                   "faster for steps/s and tokens/s, and uses more memory for RSS.", "",
-                  "| model | params | P x G | max tokens | steps x runs each | threads | TRL activation checkpointing | steps/s ratio | completion tokens/s ratio | peak RSS ratio |",
-                  "|-|-|-|-|-|-|-|-|-|-|"]
+                  "| model | params | P x G | max tokens | steps x runs each | threads | TRL setting | run (UTC) | steps/s ratio | "
+                  "completion tokens/s ratio | peak RSS ratio |", "|-|-|-|-|-|-|-|-|-|-|-|"]
         for r in rs:
             sp, tk, rss = r["steps_per_s"], r["tokens_per_s"], r["peak_rss_gb"]
             lines.append(f"| {r['model']} | {fmt_params(r['params_m'])} | {r['P']} x {r['G']} | {r['T']} | {r['steps']} x {r['repeats']} | "
-                         f"{r['torch_threads']} | {gc_label(r)} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | "
+                         f"{r['torch_threads']} | {trl_label(r)} | {r['date']} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | "
                          f"{rss['ours'] / rss['trl']:.2f} |")
         lines += ["", *READING]
         lines += reward_curves(rs)
@@ -865,12 +887,15 @@ def main() -> None:
                     help="grpo_lm.py --no-share-prompt: log probs over whole sequences, as TRL computes them")
     sp.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="TRL with its default activation checkpointing on (grpo_lm.py's --gradient-checkpointing stays off; default: off)")
+    sp.add_argument("--trl-cache-implementation", choices=("static",), default=None,
+                    help="TRL GRPOConfig(cache_implementation=...), TRL's own faster-generation switch (default: TRL's default, off)")
 
     ch = sub.add_parser("_trl_child")
     speed_flags(ch)
     ch.add_argument("--model-dir", required=True)
     ch.add_argument("--out-json", required=True)
     ch.add_argument("--gradient-checkpointing", action="store_true")
+    ch.add_argument("--cache-implementation", default=None)
 
     sub.add_parser("report", help="re-render benchmarks/trl_compare_results.md from the JSON results")
     a = p.parse_args()
