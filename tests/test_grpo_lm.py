@@ -258,7 +258,7 @@ def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_pa
     assert out.returncode == 0, out.stderr[-2000:]
     run = tmp_path / "cli"
     assert list(run.glob("events.out.tfevents.*")) and (run / "final_model" / "config.json").is_file()
-    ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    ckpt = common.load_checkpoint(run / "checkpoint.pt")
     assert ckpt["step"] == 2 and ckpt["args"]["group_size"] == 4
     assert "step 2 samples" in out.stdout + out.stderr
 
@@ -293,7 +293,7 @@ def test_raising_reward_function_is_reported_and_saved_work_kept(tiny_model_dir,
     task.reward_fn = broken
     with pytest.raises(common.UsageError, match=r"reward function of task 'digits' raised KeyError"):
         grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, resume=str(ckpt)), task=task)
-    assert ckpt.stat().st_mtime_ns == before and torch.load(ckpt, map_location="cpu", weights_only=False)["step"] == 1
+    assert ckpt.stat().st_mtime_ns == before and common.load_checkpoint(ckpt)["step"] == 1
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vllm is installed")

@@ -275,7 +275,7 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
     assert full["reward_model/train_size"] == [48, 48 + 5]  # 48 * 0.1 / 0.9 = 5.3 -> 5 replayed
     assert full["reward_model/replay_fraction"] == pytest.approx([0.0, 5 / 53])
     assert len(full["reward_model/heldout_accuracy"]) == 2 and "reward/verifiable_mean" in full
-    ckpt = torch.load(tmp_path / "a" / "run" / "checkpoint.pt", map_location="cpu", weights_only=False)
+    ckpt = common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")
     assert ckpt["iteration"] == 2 and len(ckpt["rm_replay"]) == 96 and ckpt["rm_new"] == []
     initial = common.load_model(str(tiny_model_dir), kind="reward")
     assert not torch.equal(ckpt["reward_model"]["score.weight"], initial.state_dict()["score.weight"])

@@ -214,7 +214,7 @@ def test_cli_two_steps_with_reward_model_writes_events_checkpoint_and_model(tiny
     assert out.returncode == 0, out.stderr[-2000:]
     run = tmp_path / "cli"
     assert list(run.glob("events.out.tfevents.*")) and (run / "final_model" / "config.json").is_file()
-    ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=False)
+    ckpt = common.load_checkpoint(run / "checkpoint.pt")
     assert ckpt["step"] == 2 and ckpt["args"]["kl_estimator"] == "k3" and "value_model" in ckpt
     rm = common.load_model(str(tiny_reward_model_dir), kind="reward")
     assert not torch.equal(ckpt["value_model"]["score.weight"], torch.zeros_like(rm.score.weight))  # from the RM head
