@@ -631,6 +631,14 @@ READING_GPU = [
 ]
 
 
+RUN_COLUMNS = "| model | params | P x G | max tokens | steps x runs each |"
+
+
+def run_cells(r: dict) -> str:
+    """The RUN_COLUMNS cells of a result: what was trained, and how long."""
+    return f"| {r['model']} | {fmt_params(r['params_m'])} | {r['P']} x {r['G']} | {r['T']} | {r['steps']} x {r['repeats']} |"
+
+
 def trl_label(r: dict) -> str:
     """TRL's settings that differ between rows: activation checkpointing, and its generation cache switch."""
     gc = "checkpointing on (TRL's default)" if r.get("trl_gradient_checkpointing") else "checkpointing off (as grpo_lm)"
@@ -804,13 +812,12 @@ def render_results() -> None:
                   "nearly all 0; the work per step (sampling, reference and policy forward, backward, optimizer "
                   "step) does not depend on the reward values. Ratios are grpo_lm / TRL: > 1 means grpo_lm is "
                   "faster for steps/s and tokens/s, and uses more memory for RSS.", "",
-                  "| model | params | P x G | max tokens | steps x runs each | threads | TRL setting | run (UTC) | steps/s ratio | "
-                  "completion tokens/s ratio | peak RSS ratio |", "|-|-|-|-|-|-|-|-|-|-|-|"]
+                  RUN_COLUMNS + " threads | TRL setting | run (UTC) | steps/s ratio | completion tokens/s ratio | "
+                  "peak RSS ratio |", "|-|-|-|-|-|-|-|-|-|-|-|"]
         for r in rs:
             sp, tk, rss = r["steps_per_s"], r["tokens_per_s"], r["peak_rss_gb"]
-            lines.append(f"| {r['model']} | {fmt_params(r['params_m'])} | {r['P']} x {r['G']} | {r['T']} | {r['steps']} x {r['repeats']} | "
-                         f"{r['torch_threads']} | {trl_label(r)} | {r['date']} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | "
-                         f"{rss['ours'] / rss['trl']:.2f} |")
+            lines.append(run_cells(r) + f" {r['torch_threads']} | {trl_label(r)} | {r['date']} | {sp['ours'] / sp['trl']:.2f} | "
+                         f"{tk['ours'] / tk['trl']:.2f} | {rss['ours'] / rss['trl']:.2f} |")
         lines += ["", *READING]
         lines += reward_curves(rs)
         lines += run_details(rs)
@@ -822,12 +829,11 @@ def render_results() -> None:
                   "bfloat16 autocast (TRL `bf16=True`, grpo_lm's default `--bf16`), TF32 on; peak memory is torch's "
                   "peak CUDA allocation (`torch.cuda.max_memory_allocated`) of each child; `--torch-threads 4`. The "
                   "SmolLM2 pairs ran 30 steps with up to 64 new tokens, one pair per seed, grpo_lm first.", "",
-                  "| model | params | P x G | max tokens | steps | seed | steps/s ratio | completion tokens/s ratio | "
-                  "peak CUDA memory ratio | s/step grpo_lm / TRL | generation s/step grpo_lm / TRL |", "|-|-|-|-|-|-|-|-|-|-|-|"]
+                  RUN_COLUMNS + " seed | steps/s ratio | completion tokens/s ratio | peak CUDA memory ratio | "
+                  "s/step grpo_lm / TRL | generation s/step grpo_lm / TRL |", "|-|-|-|-|-|-|-|-|-|-|-|"]
         for r in gpu:
             sp, tk, mem, sps, gen = (r[k] for k in ("steps_per_s", "tokens_per_s", "peak_cuda_gb", "s_per_step", "generation_s_per_step"))
-            lines.append(f"| {r['model']} | {fmt_params(r['params_m'])} | {r['P']} x {r['G']} | {r['T']} | {r['steps']} x {r['repeats']} | "
-                         f"{seed_of(r)} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | {mem['ours'] / mem['trl']:.2f} "
+            lines.append(run_cells(r) + f" {seed_of(r)} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | {mem['ours'] / mem['trl']:.2f} "
                          f"({mem['ours']:.2f} / {mem['trl']:.2f} GiB) | {sps['ours']:.2f} / {sps['trl']:.2f} | {gen['ours']:.2f} / {gen['trl']:.2f} |")
         lines += ["", *READING_GPU]
         lines += reward_curves(gpu)
