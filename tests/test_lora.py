@@ -82,3 +82,27 @@ def test_ppo_lora_trains_only_the_policys_adapters_and_resumes_exactly(tiny_lora
         assert resumed[key] == full[key][2:], key
     assert full["loss/kl"][0] == 0.0 and full["loss/kl"][-1] > 0  # the reference: the policy without its adapter
 
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_model_dir):
+    """--lora-target-modules lm_head: the float32 head must run the adapter too, or the ratio and the KL would be
+    those of the model without it while the sampler draws with it."""
+    import ppo_lm
+
+    args = grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), lora_rank=4, lora_target_modules=("q_proj", "lm_head"))
+    policy = common.load_policy(args, "cpu")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    att = torch.ones_like(ids)
+    with torch.no_grad():
+        direct = policy(input_ids=ids, attention_mask=att).logits[:, 2:-1].log_softmax(-1)
+        direct = direct.gather(2, ids[:, 3:, None]).squeeze(-1)
+        if script == "grpo":
+            logp = grpo_lm.token_log_probs(policy, ids[:, :3], att[:, :3], torch.tensor([0]), ids[:, 3:], att[:, 3:], 1.0)
+        else:
+            logp = ppo_lm.token_log_probs(policy, ids, att, 3, 1.0)
+    torch.testing.assert_close(logp, direct, atol=1e-5, rtol=1e-5)
