@@ -15,12 +15,15 @@ it, so ratio_it uses the old log probs stored once before the first update (step
 pi_old = pi_theta and ratio_it = 1 (its gradient is still that of eq. 3).
 
 Where Algorithm 1 lives (read from the top down to the end of main(); the rest is fenced below it):
-  ALGO LOGIC     completion_mask, token_log_probs, group_advantages (§4.1.2), k3_kl (eq. 4), grpo_loss (eq. 3)
+  ALGO LOGIC     completion_mask, group_advantages (§4.1.2), token_log_probs, k3_kl (eq. 4), grpo_loss (eq. 3),
+                 aggregate (the 1/G sum_i 1/|o_i| sum_t of eq. 3), float32_lm_head (numerics)
   main()         input: policy, reference, reward; then per step: 0. reference <- policy at each iteration,
                  1. sample G outputs per question, 2. rewards, 3. advantages, 4. old and reference log probs,
                  5. mu updates of eq. 3, 6. the reward model's continual training (§4.1.4)
+  below main()   steps 1-2 in full (sample_and_score, reward), then the extensions, each in a labelled section
 Every flag defaults to the paper's GRPO. Each extension reaches the loop through one line tagged with its
-source and lives in a named function below main(): DeepSeekMath's own process supervision (§4.1.3,
+source and lives in a named function below main(), or is an option of a math-block function (the loss
+variants, passed by variant_options): DeepSeekMath's own process supervision (§4.1.3,
 --supervision process) and iterative RL with a retrained reward model (Algorithm 1, --iterations,
 --train-reward-model); later variants: Dr. GRPO (arXiv 2503.20783: --loss-type dr_grpo, --scale-rewards),
 DAPO (arXiv 2503.14476: --clip-range-high, --dynamic-sampling, --overlong-buffer, --mask-truncated-completions,
@@ -69,7 +72,7 @@ class Args:
     model_name_or_path: str = common.DEFAULT_MODEL
     """policy to train: a local directory or Hub id of a causal LM (default: offline SmolLM2-135M-Instruct)"""
     reward_model_path: str | None = None
-    """sequence-classification reward model scored at the last token (default: the task's verifiable reward); frozen unless --train-reward-model"""
+    """sequence-classification reward model, read as its own forward pass pools (the last non-pad token) (default: the task's verifiable reward); frozen unless --train-reward-model"""
     task: Literal["addition", "multistep", "countdown"] = "addition"
     """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute (a + b) * c - d")
     or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)"""
@@ -237,6 +240,35 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
+    """Outcome-supervision advantages (DeepSeekMath §4.1.2): ``(r_i - mean(r)) / (std(r) + eps)``.
+
+    Mean and (unbiased) std are taken over the G outputs of the same question. A group whose
+    rewards are all equal gets advantage 0: it carries no signal about which output is better.
+    ``scale="batch"`` divides by the std of the whole batch instead (the group mean is still
+    subtracted); ``scale="none"`` only centres, ``r_i - mean(r)`` (Dr. GRPO, arXiv 2503.20783 §3.1:
+    the std division up-weights questions that are too easy or too hard).
+
+    Args:
+        rewards: (B * G,) one scalar per completion, the G completions of a question contiguous.
+    Returns:
+        (B * G,) advantage of every completion, shared by all its tokens.
+    Raises:
+        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown ``scale``.
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
+    grouped = rewards.view(-1, group_size)
+    mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
+    if scale == "none":
+        return (grouped - mean).view(-1)
+    if scale == "batch":
+        std = rewards.std()
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
 def token_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
                     completion_ids: torch.Tensor, completion_att: torch.Tensor, temperature: float,
                     share_prompt: bool = True, with_entropy: bool = False):
@@ -280,63 +312,6 @@ def token_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
     log_probs = (logits.float() / temperature).log_softmax(-1)
     logp = torch.gather(log_probs, 2, completion_ids.unsqueeze(-1)).squeeze(-1)
     return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if with_entropy else logp
-
-
-@contextlib.contextmanager
-def float32_lm_head(model):
-    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
-
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every
-    log prob that enters the loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per
-    token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on the hidden states
-    cast to float32 with autocast off, so a LoRA adapter on the head (``--lora-target-modules lm_head``) acts
-    too; the head's weights are float32 (``common.load_model`` loads them so) and are neither copied nor cast.
-    Without autocast it is the head's usual forward, so the numbers do not change.
-    """
-    head = model.get_output_embeddings()
-    own_forward, patched = head.forward, "forward" in vars(head)
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            return own_forward(hidden.float())
-
-    head.forward = forward
-    try:
-        yield
-    finally:
-        if patched:
-            head.forward = own_forward
-        else:
-            del head.forward
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
-    """Outcome-supervision advantages (DeepSeekMath §4.1.2): ``(r_i - mean(r)) / (std(r) + eps)``.
-
-    Mean and (unbiased) std are taken over the G outputs of the same question. A group whose
-    rewards are all equal gets advantage 0: it carries no signal about which output is better.
-    ``scale="batch"`` divides by the std of the whole batch instead (the group mean is still
-    subtracted); ``scale="none"`` only centres, ``r_i - mean(r)`` (Dr. GRPO, arXiv 2503.20783 §3.1:
-    the std division up-weights questions that are too easy or too hard).
-
-    Args:
-        rewards: (B * G,) one scalar per completion, the G completions of a question contiguous.
-    Returns:
-        (B * G,) advantage of every completion, shared by all its tokens.
-    Raises:
-        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown ``scale``.
-    """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
-    if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    grouped = rewards.view(-1, group_size)
-    mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
-    if scale == "none":
-        return (grouped - mean).view(-1)
-    if scale == "batch":
-        std = rewards.std()
-    return ((grouped - mean) / (std + eps)).view(-1)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -457,6 +432,34 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_sequences: int, l
     raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {loss_type!r}")
 
 
+@contextlib.contextmanager
+def float32_lm_head(model):
+    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
+
+    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every
+    log prob that enters the loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per
+    token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on the hidden states
+    cast to float32 with autocast off, so a LoRA adapter on the head (``--lora-target-modules lm_head``) acts
+    too; the head's weights are float32 (``common.load_model`` loads them so) and are neither copied nor cast.
+    Without autocast it is the head's usual forward, so the numbers do not change.
+    """
+    head = model.get_output_embeddings()
+    own_forward, patched = head.forward, "forward" in vars(head)
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return own_forward(hidden.float())
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if patched:
+            head.forward = own_forward
+        else:
+            del head.forward
+
+
 # ----------------------------------------------------------------------------------------------
 # GRPO, DeepSeekMath §4.1 and Algorithm 1
 # ----------------------------------------------------------------------------------------------
@@ -500,10 +503,10 @@ def main(args: Args, task: common.Task | None = None,
     else:
         common.evaluate(policy, tokenizer, task, args, device, log, step=0)  # held-out greedy accuracy before training
 
-    G, B = args.group_size, args.prompts_per_step // world  # this process's B questions: N of the N_all outputs
-    N, N_all = B * G, args.prompts_per_step * G
+    G, B = args.group_size, args.prompts_per_step // world  # B questions per process (torchrun: a share of them)
+    N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, and all processes' outputs of a step
     steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1, in steps
-    share = args.share_prompt and not args.gradient_checkpointing  # checkpointed layers drop the prompt's cache
+    share_prompt = args.share_prompt and not args.gradient_checkpointing  # checkpointed layers drop the prompt's cache
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
         # ---- 0. Algorithm 1: each iteration starts with reference <- policy (iteration 1: the initial policy) ----
@@ -513,7 +516,7 @@ def main(args: Args, task: common.Task | None = None,
         # ---- 1. Sample B questions and G outputs of each from pi_old = the current policy (temperature T) ----
         # ---- 2. and their rewards r_i: the task's reward function, or the reward model r_phi ----
         refresh_samplers(sampling, policy)  # --fast-generation, --use-vllm: the sampler gets the policy's weights
-        batch = sample_and_score(sampling, args, device, step, round_=0)
+        batch = sample_and_score(sampling, args, device, step)
         batch = dynamic_sampling(batch, sampling, args, device, step) if args.dynamic_sampling else batch  # DAPO §3.2
         rewards = batch["rewards"] + overlong_penalty(batch["mask"].sum(1).cpu(), args.max_new_tokens,
                                                       args.overlong_buffer)  # DAPO §3.4: 0 with --overlong-buffer 0
@@ -523,37 +526,40 @@ def main(args: Args, task: common.Task | None = None,
         gen_time = time.time() - t0
 
         # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, for every token t (§4.1.2) ----
-        advantages = group_advantages(all_rewards, G, args.adv_eps, args.scale_rewards)[rank * N: rank * N + N].to(device)
+        advantages = group_advantages(all_rewards, G, args.adv_eps, args.scale_rewards)  # (N_all,)
+        advantages = advantages[rank * N: rank * N + N].to(device)  # torchrun: this process's groups
         if args.supervision == "process":  # §4.1.3: A_i,t sums the normalised rewards of the steps ending at or after t
             advantages = process_supervision(batch, rewards, tokenizer, step_reward_fn, args, device)
-        loss_mask = completions_in_the_loss(batch, args.mask_truncated_completions)  # (N, T); DAPO §3.4 overlong filtering
 
         # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
-        micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)  # whole groups, padding trimmed
+        loss_mask = completions_in_the_loss(batch, args.mask_truncated_completions)  # (N, T); DAPO §3.4 overlong filtering
+        micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)  # --micro-batch-size, padding trimmed
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):
+        with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
             for idx, t_mb, inputs in micro_batches:
                 if args.mu > 1:  # with mu = 1 pi_old = pi_theta, so ratio = 1: reuse logp.detach() below
-                    old_logp[idx, :t_mb] = token_log_probs(policy, *inputs, args.temperature, share)
+                    old_logp[idx, :t_mb] = token_log_probs(policy, *inputs, args.temperature, share_prompt)
                 if reference is not None:
-                    ref_logp[idx, :t_mb] = token_log_probs(reference, *inputs, args.temperature, share)
+                    ref_logp[idx, :t_mb] = token_log_probs(reference, *inputs, args.temperature, share_prompt)
 
         # ---- 5. mu GRPO iterations: maximise eq. 3 over the batch (gradient accumulation over micro-batches) ----
         # The ratio uses old_logp of step 4: pi_old stays the sampling policy for all mu updates.
-        totals, loss_kw = new_totals(), loss_options(args, loss_mask)  # torchrun: counts of the global batch
+        loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO §3.1/§3.3, GSPO, TIS (all off = the paper)
+        totals = new_totals()
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             with common.checkpointing_mode((policy,), args.gradient_checkpointing):  # --gradient-checkpointing
                 for idx, t_mb, inputs in micro_batches:
-                    with common.bf16_autocast(device, args.bf16):
-                        logp, entropy = token_log_probs(policy, *inputs, args.temperature, share, with_entropy=True)
+                    with common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
+                        logp, entropy = token_log_probs(policy, *inputs, args.temperature, share_prompt, with_entropy=True)
                     old = old_logp[idx, :t_mb] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t_mb]
                     mask = loss_mask[idx, :t_mb]
+                    sampler_logp = common.micro(batch["sampler_logp"], idx, t_mb)  # TIS (--tis-cap), Yao et al. 2025
                     loss, stats = grpo_loss(logp, old, ref, adv, mask, args.clip_range, args.beta, N_all,
-                                            sampler_logp=common.micro(batch["sampler_logp"], idx, t_mb), **loss_kw)
+                                            sampler_logp=sampler_logp, **loss_kw)
                     loss.backward()
                     accumulate(totals, loss, stats, entropy * mask)
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce, once per update
@@ -580,10 +586,129 @@ def main(args: Args, task: common.Task | None = None,
 
 
 # ----------------------------------------------------------------------------------------------
+# Steps 1-2 of Algorithm 1: sample G outputs of each question from pi_old, and their rewards
+# ----------------------------------------------------------------------------------------------
+def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: int = 0) -> dict:
+    """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and their rewards.
+
+    The questions are drawn from ``(--seed, step, round_)``; the completions come from ``softmax(logits / T)``
+    (within the top-p nucleus) through ``common.generate_completions`` or vLLM (:func:`vllm_generate`), in calls
+    of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global index of its first
+    group)``: samples depend on the seed, the step and the groups, not on how many processes share the batch.
+
+    Returns:
+        a dict of (N, P) left-padded ``prompt_ids``/``prompt_mask``, (N, T) ``completion_ids`` (padded after the
+        first EOS) and ``mask``, the decoded ``completions``, the ``examples``, and from :func:`reward` the (N,)
+        ``rewards``, ``verifiable``, ``correct`` and ``truncated``; ``sampler_logp`` ((N, T) or None, see
+        :class:`Sampling`); ``scalars``, where extensions put what they log.
+    """
+    G, tokenizer = args.group_size, sampling.tokenizer
+    B = args.prompts_per_step // sampling.world
+    first_group = sampling.rank * B
+    picks = np.random.default_rng([args.seed, step] + ([round_] if round_ else [])).choice(
+        len(sampling.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
+    examples = [sampling.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
+    prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"], *common.prompt_style(args)), add_special_tokens=False)
+               ["input_ids"] for ex in examples[::G]]  # one token list per group
+    if sampling.llm is not None:  # --use-vllm
+        seeds = [common.sampling_seed(args.seed, step, round_, first_group + g) for g in range(len(prompts))]
+        rows, row_logps = vllm_generate(sampling.llm, prompts, seeds, tokenizer.eos_token_id, args)
+    else:
+        rows, row_logps = common.generate_completions(
+            sampling.sampler, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
+            per_call=args.generation_groups_per_call, bf16=args.bf16 and not args.fast_generation,
+            static_cache=args.fast_generation, record=sampling.record)
+    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
+    T = max(len(r) for r in rows)
+    completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
+    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
+    sampler_logp = None
+    if sampling.record and row_logps is not None:
+        sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "mask": mask,
+             "completions": tokenizer.batch_decode(completion_ids, skip_special_tokens=True), "examples": examples,
+             "sampler_logp": sampler_logp, "scalars": {}}
+    return {**batch, **reward(batch, sampling, args, device, step)}
+
+
+def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> dict:
+    """Step 2: the rewards of a batch's completions, from the task's reward function or the reward model.
+
+    A reward model trained from the policy's backbone (--train-reward-model without --reward-model-path) scores
+    from iteration 2 on, once it has been trained; until then the verifiable reward scores (Algorithm 1).
+
+    Returns:
+        (N,) ``rewards`` (used for the advantages), ``verifiable`` rewards (None when a frozen reward model makes
+        them unnecessary), ``correct`` (right final answer) and ``truncated`` (no EOS within --max-new-tokens).
+    Raises:
+        UsageError: the reward function raises or returns a non-finite value.
+    """
+    examples, task = batch["examples"], sampling.task
+    responses = [args.response_prefix + c for c in batch["completions"]]  # what the reward functions read
+    trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
+    scored_by_model = sampling.reward_model is not None and trained
+    verifiable = None
+    if not scored_by_model or args.train_reward_model:
+        verifiable, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
+        batch["scalars"].update({f"reward/{name}/mean": common.all_gather(r).mean().item() for name, r in each.items()})
+    if scored_by_model:
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["mask"].long()], 1)
+        mb = args.micro_batch_size
+        with torch.no_grad(), common.bf16_autocast(device, args.bf16):
+            rewards = torch.cat([common.reward_model_scores(sampling.reward_model, input_ids[i: i + mb],
+                                                            attention_mask[i: i + mb]).cpu()
+                                 for i in range(0, len(examples), mb)])
+    else:
+        rewards = verifiable
+    eos = sampling.tokenizer.eos_token_id
+    return {"rewards": rewards, "verifiable": verifiable, "correct": common.score_correct(task, responses, examples),
+            "truncated": ~((batch["completion_ids"] == eos) & batch["mask"].bool()).any(1)}
+
+
+@dataclass
+class Sampling:
+    """What steps 1-2 sample with and score by, made once by :func:`make_sampling`."""
+
+    sampler: Any  # the policy itself, or its bfloat16 copy (--fast-generation)
+    llm: Any  # a vLLM engine (--use-vllm), or None
+    record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
+    tokenizer: Any
+    questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
+    task: common.Task
+    reward_model: Any  # None: the task's verifiable reward
+    rank: int  # torchrun: this process samples the groups rank * B .. rank * B + B - 1 of each step
+    world: int
+
+
+def make_sampling(policy, tokenizer, questions: list[dict], task: common.Task, reward_model, args: Args, rank: int,
+                  world: int, device) -> Sampling:
+    """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
+    cache that transformers compiles on CUDA; with --use-vllm a vLLM engine. Log probs for the loss always come
+    from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different distribution
+    than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it.
+    """
+    llm = make_vllm_engine(args, common.resolve_model_path(args.model_name_or_path), rank, world) if args.use_vllm else None
+    sampler = common.bf16_sampler(policy) if args.fast_generation else policy
+    record = sampler is not policy or llm is not None or common.bf16_active(device, args.bf16)
+    return Sampling(sampler, llm, record, tokenizer, questions, task, reward_model, rank, world)
+
+
+def refresh_samplers(sampling: Sampling, policy) -> None:
+    """Before a step's sampling, give the bf16 copy (in place, so compiled CUDA graphs stay valid) or the vLLM engine
+    the policy's current weights; nothing to do when the policy samples itself."""
+    if sampling.llm is not None:
+        sync_vllm_weights(sampling.llm, policy)
+    common.refresh_sampler(sampling.sampler, policy)
+
+
+# ----------------------------------------------------------------------------------------------
 # DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model (§4.1.4)
 # ----------------------------------------------------------------------------------------------
 def process_supervision(batch: dict, rewards: torch.Tensor, tokenizer, step_reward_fn: Callable, args: Args,
-                        device) -> tuple[torch.Tensor, dict]:
+                        device) -> torch.Tensor:
     """Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as one more step
     with the outcome reward, normalised over the G outputs of its question (:func:`process_advantages`).
 
@@ -768,7 +893,7 @@ def reward_model_accuracy(reward_model, samples: list[dict], pad_token_id: int, 
 
 # ----------------------------------------------------------------------------------------------
 # Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping.
-# Dr. GRPO and GSPO are options of group_advantages and grpo_loss above.
+# Dr. GRPO, clip-higher, GSPO and TIS are options of group_advantages and grpo_loss above (variant_options).
 # ----------------------------------------------------------------------------------------------
 def dynamic_sampling(batch: dict, sampling: Sampling, args: Args, device, step: int) -> dict:
     """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep only the groups whose rewards differ, and sample new
@@ -850,125 +975,22 @@ def completions_in_the_loss(batch: dict, mask_truncated: bool) -> torch.Tensor:
     return batch["mask"] * (~batch["truncated"]).float().unsqueeze(1) if mask_truncated else batch["mask"]
 
 
+def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
+    """The later variants' options of :func:`grpo_loss` for this batch: Dr. GRPO and DAPO's loss aggregation
+    (--loss-type), DAPO's clip-higher (§3.1, --clip-range-high), GSPO's sequence-level ratio
+    (--importance-sampling-level) and truncated importance sampling (--tis-cap). All off is the paper's eq. 3.
+
+    ``num_tokens`` (DAPO's token-level mean, §3.3) counts the tokens of the global batch (torchrun), so that summing
+    the processes' gradients gives the 1-process gradient.
+    """
+    return {"loss_type": args.loss_type, "clip_range_high": args.clip_range_high,
+            "importance_sampling_level": args.importance_sampling_level, "tis_cap": args.tis_cap,
+            "num_tokens": common.all_reduce(loss_mask.sum()).item(), "max_completion_length": args.max_new_tokens}
+
+
 # ----------------------------------------------------------------------------------------------
-# Scale-out and speed: samplers (the policy, its bf16 copy, vLLM), micro-batches, torchrun
+# Scale-out and speed: vLLM, micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class Sampling:
-    """What steps 1-2 sample with and score by, made once by :func:`make_sampling`."""
-
-    sampler: Any  # the policy itself, or its bfloat16 copy (--fast-generation)
-    llm: Any  # a vLLM engine (--use-vllm), or None
-    record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
-    tokenizer: Any
-    questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    task: common.Task
-    reward_model: Any  # None: the task's verifiable reward
-    rank: int  # torchrun: this process samples the groups rank * B .. rank * B + B - 1 of each step
-    world: int
-
-
-def make_sampling(policy, tokenizer, questions: list[dict], task: common.Task, reward_model, args: Args, rank: int,
-                  world: int, device) -> Sampling:
-    """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
-    cache that transformers compiles on CUDA; with --use-vllm a vLLM engine. Log probs for the loss always come
-    from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different distribution
-    than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it.
-    """
-    llm = make_vllm_engine(args, common.resolve_model_path(args.model_name_or_path), rank, world) if args.use_vllm else None
-    sampler = common.bf16_sampler(policy) if args.fast_generation else policy
-    record = sampler is not policy or llm is not None or common.bf16_active(device, args.bf16)
-    return Sampling(sampler, llm, record, tokenizer, questions, task, reward_model, rank, world)
-
-
-def refresh_samplers(sampling: Sampling, policy) -> None:
-    """Before a step's sampling, give the bf16 copy (in place, so compiled CUDA graphs stay valid) or the vLLM engine
-    the policy's current weights; nothing to do when the policy samples itself."""
-    if sampling.llm is not None:
-        sync_vllm_weights(sampling.llm, policy)
-    common.refresh_sampler(sampling.sampler, policy)
-
-
-def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: int = 0) -> dict:
-    """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and their rewards.
-
-    The questions are drawn from ``(--seed, step, round_)``; the completions come from ``softmax(logits / T)``
-    (within the top-p nucleus) through ``common.generate_completions`` or vLLM (:func:`vllm_generate`), in calls
-    of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global index of its first
-    group)``: samples depend on the seed, the step and the groups, not on how many processes share the batch.
-
-    Returns:
-        a dict of (N, P) left-padded ``prompt_ids``/``prompt_mask``, (N, T) ``completion_ids`` (padded after the
-        first EOS) and ``mask``, the decoded ``completions``, the ``examples``, and from :func:`reward` the (N,)
-        ``rewards``, ``verifiable``, ``correct`` and ``truncated``; ``sampler_logp`` ((N, T) or None, see
-        :class:`Sampling`); ``scalars``, where extensions put what they log.
-    """
-    G, tokenizer = args.group_size, sampling.tokenizer
-    B = args.prompts_per_step // sampling.world
-    first_group = sampling.rank * B
-    picks = np.random.default_rng([args.seed, step] + ([round_] if round_ else [])).choice(
-        len(sampling.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
-    examples = [sampling.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-    prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"], *common.prompt_style(args)), add_special_tokens=False)
-               ["input_ids"] for ex in examples[::G]]  # one token list per group
-    if sampling.llm is not None:  # --use-vllm
-        seeds = [common.sampling_seed(args.seed, step, round_, first_group + g) for g in range(len(prompts))]
-        rows, row_logps = vllm_generate(sampling.llm, prompts, seeds, tokenizer.eos_token_id, args)
-    else:
-        rows, row_logps = common.generate_completions(
-            sampling.sampler, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
-            per_call=args.generation_groups_per_call, bf16=args.bf16 and not args.fast_generation,
-            static_cache=args.fast_generation, record=sampling.record)
-    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
-    T = max(len(r) for r in rows)
-    completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
-    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-    sampler_logp = None
-    if sampling.record and row_logps is not None:
-        sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
-    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "mask": mask,
-             "completions": tokenizer.batch_decode(completion_ids, skip_special_tokens=True), "examples": examples,
-             "sampler_logp": sampler_logp, "scalars": {}}
-    return {**batch, **reward(batch, sampling, args, device, step)}
-
-
-def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> dict:
-    """Step 2: the rewards of a batch's completions, from the task's reward function or the reward model.
-
-    A reward model trained from the policy's backbone (--train-reward-model without --reward-model-path) scores
-    from iteration 2 on, once it has been trained; until then the verifiable reward scores (Algorithm 1).
-
-    Returns:
-        (N,) ``rewards`` (used for the advantages), ``verifiable`` rewards (None when a frozen reward model makes
-        them unnecessary), ``correct`` (right final answer) and ``truncated`` (no EOS within --max-new-tokens).
-    Raises:
-        UsageError: the reward function raises or returns a non-finite value.
-    """
-    examples, task = batch["examples"], sampling.task
-    responses = [args.response_prefix + c for c in batch["completions"]]  # what the reward functions read
-    trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
-    scored_by_model = sampling.reward_model is not None and trained
-    verifiable = None
-    if not scored_by_model or args.train_reward_model:
-        verifiable, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
-        batch["scalars"].update({f"reward/{name}/mean": common.all_gather(r).mean().item() for name, r in each.items()})
-    if scored_by_model:
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["mask"].long()], 1)
-        mb = args.micro_batch_size
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            rewards = torch.cat([common.reward_model_scores(sampling.reward_model, input_ids[i: i + mb],
-                                                            attention_mask[i: i + mb]).cpu()
-                                 for i in range(0, len(examples), mb)])
-    else:
-        rewards = verifiable
-    eos = sampling.tokenizer.eos_token_id
-    return {"rewards": rewards, "verifiable": verifiable, "correct": common.score_correct(task, responses, examples),
-            "truncated": ~((batch["completion_ids"] == eos) & batch["mask"].bool()).any(1)}
-
-
 def make_vllm_engine(args: Args, model_dir: str, rank: int, world: int):
     """A ``vllm.LLM`` on this process's GPU, loaded from the policy's directory (one engine per process).
 
@@ -1069,7 +1091,7 @@ def plan_micro_batches(batch: dict, size: int, G: int, device) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: run plumbing (validation, models, run directory, resume, metrics, checkpoints)
+# TRY NOT TO MODIFY: run plumbing (validation, resume, metrics, checkpoints)
 # ----------------------------------------------------------------------------------------------
 def sample_lines(batch: dict, rewards: torch.Tensor, G: int) -> list[str]:
     """The first completion of each group with its reward, for the printed and logged samples."""
@@ -1220,14 +1242,6 @@ def check_iteration_length(checkpoint: dict, args: Args) -> None:
               f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} ({saved['total_steps']} "
               f"steps / {saved['iterations']} iterations); resume with the same iteration length, e.g. --total-steps "
               f"{max(args.total_steps // length, 1) * length} --iterations {max(args.total_steps // length, 1)}")
-
-
-def loss_options(args: Args, loss_mask: torch.Tensor) -> dict:
-    """The variant options of :func:`grpo_loss` for this batch; the token count of --loss-type dapo is that of the
-    global batch, so that summing the processes' gradients gives exactly the 1-process gradient."""
-    return {"loss_type": args.loss_type, "clip_range_high": args.clip_range_high,
-            "importance_sampling_level": args.importance_sampling_level, "tis_cap": args.tis_cap,
-            "num_tokens": common.all_reduce(loss_mask.sum()).item(), "max_completion_length": args.max_new_tokens}
 
 
 def new_totals() -> dict:

@@ -1,4 +1,4 @@
-"""PPO for continuous control (MuJoCo) on gymnasium 1.x, with every one of the 37 details.
+"""PPO for continuous control (MuJoCo) on gymnasium 1.x, with the 13 core and 9 continuous-action details of the 37.
 
 Read beside "The 37 Implementation Details of PPO" (Huang et al., ICLR blog track 2022). Comments
 cite its items as "core #k" (the 13 core details) and "cont. #k" (the 9 continuous-action ones),
@@ -33,8 +33,8 @@ Differences from CleanRL's ppo_continuous_action.py (same defaults otherwise):
   * Minibatches hold at least 2 real transitions: when masked autoreset steps leave fewer than
     2 * --num-minibatches of them, an epoch uses fewer, larger minibatches (a 1-transition
     minibatch has no advantage std; CleanRL gives NaN there).
-  * A non-finite loss, gradient norm or weight stops the run with one line before that update is
-    applied and before anything is saved.
+  * A non-finite loss or gradient norm stops the run with one line before that update is applied;
+    non-finite weights (checked after each iteration's updates) stop it before anything is saved.
 
 Checkpoints ({runs_dir}/{run_name}/checkpoint.pt, written atomically every --save-every iterations
 and at the end) hold the networks, the optimizer, iteration and step, every RNG state, the
@@ -344,8 +344,8 @@ def train(args: Args) -> dict:
 
     Raises:
         UsageError: an unwritable ``--runs-dir``, a bad ``--resume`` checkpoint, or an ``--env-id``
-            that cannot be made (all before any env is created); a non-finite loss, gradient norm or
-            weight (before that update is applied and before anything is saved).
+            that cannot be made (all before any env is created); a non-finite loss or gradient norm (before
+            that update is applied) or weight (after the iteration's updates, before anything is saved).
     """
     ckpt = check_resume(args)  # before any env: --runs-dir writable, or the --resume checkpoint usable
     obs_dim, act_dim = check_env_id(args.env_id)

@@ -4,7 +4,7 @@ Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024,
 the checklist this file follows (its departures are listed below), and DeepSeekMath (Shao et al. 2024,
 arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that GRPO (grpo_lm.py) simplifies. Four models:
 the policy pi_theta (trained), a frozen reference pi_ref (the initial policy), a reward (a frozen reward
-model read at the last response token, or the task's verifiable reward) and a value model V_phi (trained).
+model that scores as its own forward pass pools, or the task's verifiable reward) and a value model V_phi (trained).
 
   r_t      = score * [t = last token] - beta * KL_t,   KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)  (eq. 2; k1)
   delta_t  = r_t + gamma * V(s_t+1) - V(s_t),   A_t = sum_l (gamma * lam)^l delta_t+l    (GAE, Schulman 2016 eq. 16)
@@ -15,10 +15,11 @@ model read at the last response token, or the task's verifiable reward) and a va
 
 Where each step lives (read from the top down to the end of main(); the rest is fenced below it):
   ALGO LOGIC  completion_mask (the EOS trick), token_log_probs, token_values, per_token_rewards (eq. 2),
-              masked_whiten, gae (GAE), ppo_loss (eq. 1 and the clipped value loss), adaptive_kl_coef
+              masked_whiten, gae (GAE), ppo_loss (eq. 1 and the clipped value loss), adaptive_kl_coef,
+              float32_lm_head (numerics)
   main()      input: the policy, the reference (its frozen copy; none with beta = 0), the reward (a reward model
               or the task's verifiable reward) and the value model; then per step: 1. rollout: one completion
-              per prompt from pi_old, 2. its score at the last token, 3. pi_old and pi_ref log probs and V_old,
+              per prompt from pi_old, 2. its score, 3. pi_old and pi_ref log probs and V_old,
               4. per-token rewards r_t, 5. GAE advantages A_t (whitened) and value targets R_t,
               6. --num-ppo-epochs x --num-minibatches updates of the loss, 7. the next step's beta
   below it    rollout() and score() (steps 1-2) and load_value_model(); then, fenced, each extension (off by
@@ -27,9 +28,9 @@ Where each step lives (read from the top down to the end of main(); the rest is 
               micro-batches, gradient checkpointing, torchrun; last, the run plumbing (validation, resume,
               metrics, logging, checkpoints)
 
-The only differences from grpo_lm.py's loss are where the advantage comes from (GAE on a learned
-value instead of the group-normalised reward) and where the KL goes (into the reward, per token,
-instead of into the loss).
+Apart from the value model's clipped loss, the policy loss differs from grpo_lm.py's in two places only:
+where the advantage comes from (GAE on a learned value instead of the group-normalised reward) and where
+the KL goes (into the reward, per token, instead of into the loss).
 
 KL_t is the k1 estimator, and only k1 is offered: as a per-token reward its expected score-function
 gradient is that of KL(pi || pi_ref), so PPO maximises E[score] - beta * KL(pi || pi_ref), whose optimum
@@ -93,7 +94,7 @@ class Args:
     model_name_or_path: str = common.DEFAULT_MODEL
     """policy to train: a local directory or Hub id of a causal LM (default: offline SmolLM2-135M-Instruct)"""
     reward_model_path: str | None = None
-    """frozen sequence-classification reward model with the policy's tokenizer, scored at the last token (default:
+    """frozen sequence-classification reward model with the policy's tokenizer, read as its own forward pass pools (default:
     the task's verifiable reward); the value model starts from it when given, else from the policy with a zero head"""
     task: Literal["addition", "multistep", "countdown"] = "addition"
     """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute (a + b) * c - d")
@@ -142,11 +143,11 @@ class Args:
     lam: float = 0.95
     """GAE lambda"""
     learning_rate: float = 1e-5
-    """Adam learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30 steps)"""
+    """AdamW learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30 steps)"""
     value_learning_rate: float | None = None
-    """Adam learning rate of the value model (default: --learning-rate)"""
+    """AdamW learning rate of the value model (default: --learning-rate)"""
     adam_eps: float = 1e-5
-    """Adam epsilon (N+ details)"""
+    """AdamW epsilon (N+ details)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     num_ppo_epochs: int = 4
@@ -274,34 +275,6 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     with torch.no_grad():
         entropy = -(log_probs.exp() * log_probs).sum(-1)
     return logp, entropy
-
-
-@contextlib.contextmanager
-def float32_lm_head(model):
-    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
-
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every
-    log prob that enters the loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per
-    token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on the hidden states
-    cast to float32 with autocast off, so a LoRA adapter on the head (``--lora-target-modules lm_head``) acts
-    too; the head's weights are float32 (``common.load_model`` loads them so) and are neither copied nor cast.
-    Without autocast it is the head's usual forward, so the numbers do not change.
-    """
-    head = model.get_output_embeddings()
-    own_forward, patched = head.forward, "forward" in vars(head)
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            return own_forward(hidden.float())
-
-    head.forward = forward
-    try:
-        yield
-    finally:
-        if patched:
-            head.forward = own_forward
-        else:
-            del head.forward
 
 
 def token_values(value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -472,6 +445,34 @@ def adaptive_kl_coef(beta: float, kl: float, target: float, num_sequences: int, 
     return beta * (1 + error * num_sequences / horizon)
 
 
+@contextlib.contextmanager
+def float32_lm_head(model):
+    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
+
+    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every
+    log prob that enters the loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per
+    token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on the hidden states
+    cast to float32 with autocast off, so a LoRA adapter on the head (``--lora-target-modules lm_head``) acts
+    too; the head's weights are float32 (``common.load_model`` loads them so) and are neither copied nor cast.
+    Without autocast it is the head's usual forward, so the numbers do not change.
+    """
+    head = model.get_output_embeddings()
+    own_forward, patched = head.forward, "forward" in vars(head)
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return own_forward(hidden.float())
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if patched:
+            head.forward = own_forward
+        else:
+            del head.forward
+
+
 # ----------------------------------------------------------------------------------------------
 # RLHF-PPO, the N+ details' training loop
 # ----------------------------------------------------------------------------------------------
@@ -508,7 +509,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                                   eps=args.adam_eps, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # one kernel for the whole AdamW update on CUDA (same math)
     policy_params, value_params = optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"]
-    start_step, kl_coef = restore(checkpoint, args, policy, value_model, optimizer, reference) if checkpoint else (0, args.beta)
+    start_step, beta = restore(checkpoint, args, policy, value_model, optimizer, reference) if checkpoint else (0, args.beta)
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", {
         "reward": "reward/mean", "kl": "loss/kl", "vloss": "loss/value", "len": "completion/length_mean"})
     sampling = make_sampling(policy, tokenizer, questions, args, rank, world, device)  # --fast-generation: a bf16 copy
@@ -522,13 +523,13 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
     for step in log.progress(start_step, args.total_steps):
-        t0, at_step = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # for the non-finite checks below
+        t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # what a non-finite check's error names
         # ---- 1. Rollout: one completion per prompt from pi_old = the current policy, cut after its first EOS ----
         batch = rollout(sampling, policy, args, device, step)  # --fast-generation: sampled by a bf16 copy of the policy
         mask = batch["mask"]  # (N, T): 1 up to and including each completion's first EOS, 0 after it
         gen_time = time.time() - t0
 
-        # ---- 2. Score at the last response token: the reward model or the task's verifiable reward ----
+        # ---- 2. Score each completion: the reward model (read as its own forward pools) or the verifiable reward ----
         batch.update(score(batch, reward_model, task, args, device))
         scores = batch["score"] - args.missing_eos_penalty * batch["truncated"].float()  # no EOS: TRL's penalty
 
@@ -543,7 +544,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                     ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
 
         # ---- 4. Per-token rewards: -beta * KL_t on every token, the score on the last (eq. 2) ----
-        rewards, kl = per_token_rewards(scores.to(device), old_logp, ref_logp, mask, kl_coef)
+        rewards, kl = per_token_rewards(scores.to(device), old_logp, ref_logp, mask, beta)
         if args.whiten_rewards:  # N+ details (optional): unit variance over the valid tokens, the mean kept
             rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=common.all_reduce)
 
@@ -568,26 +569,26 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                                                args.clip_range, args.clip_range_value, args.vf_coef,
                                                minibatch_size * world,  # torchrun: sequences in the global minibatch
                                                common.micro(batch["sampler_logp"], idx, t_mb), args.tis_cap)  # TIS, Yao et al. 2025
-                        common.check_finite_update({"loss": loss}, *at_step)
+                        common.check_finite_update({"loss": loss}, *where)
                         loss.backward()
                         accumulate(totals, {**stats, "entropy": (entropy * mask[idx, :t_mb]).sum()})
                 common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's all-reduce, once per update
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                common.check_finite_update({"gradient norm": grad_norm, "value gradient norm": value_grad_norm}, *at_step)
+                common.check_finite_update({"gradient norm": grad_norm, "value gradient norm": value_grad_norm}, *where)
                 optimizer.step()
-                common.check_finite_parameters(policy_params + value_params, *at_step)
+                common.check_finite_parameters(policy_params + value_params, *where)
                 accumulate(totals, {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1})
 
-        # ---- 7. The KL coefficient of the next step: fixed (N+ details), or adaptive ----
-        beta_used, kl_coef = kl_coef, next_kl_coef(kl_coef, kl, args)  # Ziegler et al. 2019: --adaptive-kl-target
+        # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
+        beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019: --adaptive-kl-target
 
         # ---- logging, evaluation, checkpoints (TRY NOT TO MODIFY) ----
         log(step + 1, step_metrics(args, batch, scores, kl, beta_used, old_logp, old_values, returns, totals, optimizer,
                                    device, (t0, gen_time, t2)))
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
-        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, kl_coef, reference)  # every --save-every, end
+        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta, reference)  # every --save-every, end
     log.close()
     if rank == 0 and args.total_steps > start_step:
         common.save_pretrained(policy, tokenizer, run_dir / "final_model", args.model_name_or_path)
@@ -691,7 +692,7 @@ def load_value_model(args: Args, tokenizer, device):
 # ----------------------------------------------------------------------------------------------
 # Extension (off by default): the adaptive KL controller of Ziegler et al. 2019
 # ----------------------------------------------------------------------------------------------
-def next_kl_coef(beta: float, kl: torch.Tensor, args: Args) -> float:
+def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
     """Step 7: the next step's KL coefficient. Fixed without --adaptive-kl-target; with it, moved towards the target
     by :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch (Ziegler et al. 2019 §2.2).
 
@@ -753,7 +754,7 @@ def make_micro_batches(indices: torch.Tensor, batch: dict, size: int) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: run plumbing (validation, models, run directory, resume, metrics, logging, checkpoints)
+# TRY NOT TO MODIFY: run plumbing (validation, resume, metrics, logging, checkpoints)
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "ppo_lm.py"  # written into checkpoints: --resume refuses another script's
 FROZEN = {  # flags a resumed run cannot change, and why
@@ -935,20 +936,20 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
 def sampler_mismatch(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens of every process,
     logged whenever the sampler is not the trained module (the bf16 copy, bf16 autocast)."""
-    diff = (old_logp - sampler_logp).abs() * mask
+    diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)  # -inf past the EOS with --top-p < 1
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
     return {"sampling/logp_diff_mean": total / max(tokens, 1),
             "sampling/logp_diff_max": common.all_reduce(diff.max(), "max").item()}
 
 
-def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, kl_coef: float,
+def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float,
                     reference) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue exactly (the
     next step's KL coefficient included)."""
     if not (log.is_main and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)):
         return
     common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "value_model": value_model.state_dict(),
-                        "optimizer": optimizer.state_dict(), "step": step, "kl_coef": kl_coef,
+                        "optimizer": optimizer.state_dict(), "step": step, "kl_coef": beta,
                         "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
                         "reference": reference.state_dict() if isinstance(reference, torch.nn.Module) else None},
                        log.checkpoint)

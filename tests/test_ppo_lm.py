@@ -382,6 +382,14 @@ def test_truncated_importance_sampling_weights_the_surrogate():
     torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, -0.5 / 3, -1 / 3]]))
 
 
+def test_sampler_mismatch_reads_valid_tokens_only():
+    # with --top-p < 1 the sampler's log probs past the EOS can be -inf (a token outside the nucleus): masked out
+    old = torch.tensor([[-1.0, -2.0, -3.0]])
+    sampler = torch.tensor([[-1.5, -2.0, -math.inf]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    assert ppo_lm.sampler_mismatch(old, sampler, mask) == {"sampling/logp_diff_mean": 0.25, "sampling/logp_diff_max": 0.5}
+
+
 def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):
     h = ppo_lm.main(tiny_args(tiny_model_dir, tmp_path, fast_generation=True, tis_cap=2.0), task=digit_task())
     mean, worst = h["sampling/logp_diff_mean"], h["sampling/logp_diff_max"]

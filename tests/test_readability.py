@@ -15,11 +15,11 @@ BUDGETS = {
     "ppo_continuous.py": ("train", 150, None, {}),
 }
 OTHER_FUNCTIONS = 60
-MATH_BLOCKS = {  # functions that must read with torch alone: no `common`, no `args`
-    "grpo_lm.py": ["completion_mask", "token_log_probs", "float32_lm_head", "group_advantages", "k3_kl", "grpo_loss",
-                   "aggregate"],
-    "ppo_lm.py": ["completion_mask", "token_log_probs", "float32_lm_head", "token_values", "per_token_rewards",
-                  "masked_whiten", "gae", "ppo_loss", "adaptive_kl_coef"],
+MATH_BLOCKS = {  # the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone
+    "grpo_lm.py": ["completion_mask", "group_advantages", "token_log_probs", "k3_kl", "grpo_loss", "aggregate",
+                   "float32_lm_head"],
+    "ppo_lm.py": ["completion_mask", "token_log_probs", "token_values", "per_token_rewards", "masked_whiten", "gae",
+                  "ppo_loss", "adaptive_kl_coef", "float32_lm_head"],
 }
 
 
@@ -54,14 +54,25 @@ def test_no_other_function_is_long(script):
 
 @pytest.mark.parametrize("script", list(MATH_BLOCKS))
 def test_the_math_block_needs_torch_alone(script):
-    functions = _functions(ROOT / script)
-    for name in MATH_BLOCKS[script]:
-        used = {node.id for node in ast.walk(functions[name]) if isinstance(node, ast.Name)}
-        assert not used & {"common", "args"}, f"{script}: {name} uses {used & {'common', 'args'}}"
+    text = (ROOT / script).read_text()
+    tree = ast.parse(text)
+    top = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    banner = text[:text.index("# ALGO LOGIC")].count("\n") + 1
+    main = next(node.lineno for node in top if node.name == "main")
+    block = [node for node in top if banner < node.lineno < main]
+    assert [node.name for node in block] == MATH_BLOCKS[script], script  # the block, in the loop's order
+    defined = {node.name for node in top}
+    for node in block:
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        assert not used & {"common", "args"}, f"{script}: {node.name} uses {used & {'common', 'args'}}"
+        outside = (used & defined) - set(MATH_BLOCKS[script])
+        assert not outside, f"{script}: {node.name} calls {outside}, defined outside the math block"
 
 
-def test_the_banner_covers_plumbing_only():
-    # the loop is not under "TRY NOT TO MODIFY": the banner comes after main() in every LM script
-    for script in MATH_BLOCKS:
-        text = (ROOT / script).read_text()
-        assert text.index("def main(") < text.index("# TRY NOT TO MODIFY"), script
+@pytest.mark.parametrize("script", list(MATH_BLOCKS))
+def test_the_banner_covers_plumbing_only(script):
+    # the loop is not under "TRY NOT TO MODIFY": the banner comes after the end of main()
+    text = (ROOT / script).read_text()
+    main = _functions(ROOT / script)["main"]
+    assert text.count("# TRY NOT TO MODIFY") == 1, script
+    assert text[:text.index("# TRY NOT TO MODIFY")].count("\n") + 1 > main.end_lineno, script
