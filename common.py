@@ -1,12 +1,14 @@
 """Plumbing shared by the scripts of this repository; never an equation.
 
-The algorithms (sampling distributions, rewards, advantages, clipped losses, KL, GAE) live in each script, so that
-one file reads top to bottom beside its paper; what is here they call by name. Sections, most needed first:
+The advantages, clipped losses, KL and GAE live in each script, so that one file reads top to bottom beside its
+paper; here are the sampler (softmax(logits / T) within top-p) and the task rewards they call by name, and the
+plumbing. Sections, most needed first:
   errors, seeding, RNG state, atomic checkpoints, run directories, flag checks    (all three scripts)
   language models: the offline default model, loading with dropout off and a neutral generation config
   verifiable tasks and data: addition, multistep, Countdown, JSONL files, reward functions from files, formats
   process supervision's checkable steps
   rewards and evaluation: padding, scoring with one-line errors, reward-model scores, greedy accuracy
+  sampling: G completions per prompt, per-group seeds, the sampler's own log probs
   run plumbing both LM scripts share word for word: prompts, run directory, LoRA, --eval-only, logs
   several processes (torchrun) and the GPU fast path: all-reduces, bf16 autocast, the bf16 sampler copy
 """
@@ -1717,6 +1719,92 @@ def report_accuracy(policy, tokenizer, task: Task, eval_size: int, max_new_token
 
 
 # ----------------------------------------------------------------------------------------------
+# Sampling (step 1 of both LM scripts): G completions of each prompt from softmax(logits / T) within top-p,
+# with the model's neutral generation config, per-group seeds, and the sampler's own log probs
+# ----------------------------------------------------------------------------------------------
+def generate_completions(sampler, prompts: list[list[int]], repeats: int, tokenizer, device, *, temperature: float,
+                         top_p: float, max_new_tokens: int, seed_keys: tuple[int, ...], first: int, per_call: int = 0,
+                         bf16: bool = False, static_cache: bool = False,
+                         record: bool = False) -> tuple[list[list[int]], list[list[float]] | None]:
+    """``repeats`` completions of each prompt, sampled from ``softmax(logits / temperature)`` within the top-p nucleus.
+
+    ``transformers``' ``generate`` samples; the temperature and top-p warpers are passed to it as logits
+    processors, so the distribution sampled from is spelled out here (the model's own generation config is
+    neutral, see :func:`load_model`). Prompts go in calls of ``per_call`` prompts (0 = all), each after
+    reseeding torch from ``(*seed_keys, first + index of the call's first prompt)``: a completion depends on
+    the seed keys and the prompts of its call, not on which process samples it (``first`` is the global index
+    of this process's first prompt). With ``record`` a last processor (:class:`SampledLogProbs`) keeps the log
+    prob of each sampled token under the distribution it was sampled from.
+
+    Args:
+        prompts: token lists (unpadded), one per prompt; repeats: completions per prompt (G), contiguous.
+        bf16: bf16 autocast (:func:`bf16_autocast`); static_cache: ``cache_implementation="static"``.
+    Returns:
+        (rows, logps): ``len(prompts) * repeats`` completion token lists (padded after the EOS to their call's
+        longest), and with ``record`` the sampler's log prob of each of their tokens, else None.
+    Raises:
+        UsageError: the sampling probabilities are not finite (diverged weights).
+    """
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    per_call = per_call or len(prompts)
+    rows, logps = [], [] if record else None
+    for i in range(0, len(prompts), per_call):
+        torch.manual_seed(sampling_seed(*seed_keys, first + i))
+        ids, att = pad_left([p for p in prompts[i: i + per_call] for _ in range(repeats)], tokenizer.pad_token_id, device)
+        recorder = SampledLogProbs() if record else None
+        warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        try:
+            with torch.no_grad(), bf16_autocast(device, bf16):
+                sequences = sampler.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=1.0, top_p=1.0,
+                                             top_k=0, logits_processor=LogitsProcessorList(warpers + ([recorder] if record else [])),
+                                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                             eos_token_id=tokenizer.eos_token_id,
+                                             cache_implementation="static" if static_cache else None)
+        except RuntimeError as e:  # torch.multinomial's check: the weights have diverged to where no softmax is finite
+            if "probability tensor contains" not in str(e):
+                raise
+            raise UsageError("non-finite next-token probabilities while sampling: the policy's weights have diverged "
+                             "(check --learning-rate and --max-grad-norm); checkpoints never hold non-finite values") from None
+        completions = sequences[:, ids.shape[1]:]
+        rows += completions.tolist()
+        if record:
+            logps += recorder.gather(completions).tolist()
+    return rows, logps
+
+
+class SampledLogProbs:
+    """A last logits processor for ``generate`` that keeps the log prob of each sampled token under the
+    distribution it was sampled from (after temperature and top-p), holding one (N, V) log-softmax at a time."""
+
+    def __init__(self):
+        self.per_step, self.last = [], None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # input_ids now ends with the token sampled from the previous step's scores
+            self.per_step.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self.last = scores.float().log_softmax(-1)
+        return scores
+
+    def gather(self, completions: torch.Tensor) -> torch.Tensor:
+        """(N, T) log probs of ``completions`` (generate's output minus the prompt)."""
+        T = completions.shape[1]
+        steps = self.per_step[:T]
+        if len(steps) < T:
+            steps.append(self.last.gather(1, completions[:, -1:]).squeeze(1))
+        return torch.stack(steps, 1)
+
+
+def sampling_seed(*keys: int) -> int:
+    """A 63-bit seed that depends only on ``keys`` (e.g. seed, step, round, global group index).
+
+    Reseeding before each generation call makes samples a function of what is generated, not of
+    which process generates it or what it drew before (NumPy ``SeedSequence`` hashing).
+    """
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> 1)
+
+
+# ----------------------------------------------------------------------------------------------
 # Run plumbing shared word for word by the LM scripts: prompts, run directory, processes, LoRA,
 # logs and evaluation (each reads ``args`` fields of the same names in grpo_lm.py and ppo_lm.py)
 # ----------------------------------------------------------------------------------------------
@@ -2091,79 +2179,6 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def generate_completions(sampler, prompts: list[list[int]], repeats: int, tokenizer, device, *, temperature: float,
-                         top_p: float, max_new_tokens: int, seed_keys: tuple[int, ...], first: int, per_call: int = 0,
-                         bf16: bool = False, static_cache: bool = False,
-                         record: bool = False) -> tuple[list[list[int]], list[list[float]] | None]:
-    """``repeats`` completions of each prompt, sampled from ``softmax(logits / temperature)`` within the top-p nucleus.
-
-    ``transformers``' ``generate`` samples; the temperature and top-p warpers are passed to it as logits
-    processors, so the distribution sampled from is spelled out here (the model's own generation config is
-    neutral, see :func:`load_model`). Prompts go in calls of ``per_call`` prompts (0 = all), each after
-    reseeding torch from ``(*seed_keys, first + index of the call's first prompt)``: a completion depends on
-    the seed keys and the prompts of its call, not on which process samples it (``first`` is the global index
-    of this process's first prompt). With ``record`` a last processor (:class:`SampledLogProbs`) keeps the log
-    prob of each sampled token under the distribution it was sampled from.
-
-    Args:
-        prompts: token lists (unpadded), one per prompt; repeats: completions per prompt (G), contiguous.
-        bf16: bf16 autocast (:func:`bf16_autocast`); static_cache: ``cache_implementation="static"``.
-    Returns:
-        (rows, logps): ``len(prompts) * repeats`` completion token lists (padded after the EOS to their call's
-        longest), and with ``record`` the sampler's log prob of each of their tokens, else None.
-    Raises:
-        UsageError: the sampling probabilities are not finite (diverged weights).
-    """
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-    per_call = per_call or len(prompts)
-    rows, logps = [], [] if record else None
-    for i in range(0, len(prompts), per_call):
-        torch.manual_seed(sampling_seed(*seed_keys, first + i))
-        ids, att = pad_left([p for p in prompts[i: i + per_call] for _ in range(repeats)], tokenizer.pad_token_id, device)
-        recorder = SampledLogProbs() if record else None
-        warpers = [TemperatureLogitsWarper(temperature)] + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
-        try:
-            with torch.no_grad(), bf16_autocast(device, bf16):
-                sequences = sampler.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=1.0, top_p=1.0,
-                                             top_k=0, logits_processor=LogitsProcessorList(warpers + ([recorder] if record else [])),
-                                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                             eos_token_id=tokenizer.eos_token_id,
-                                             cache_implementation="static" if static_cache else None)
-        except RuntimeError as e:  # torch.multinomial's check: the weights have diverged to where no softmax is finite
-            if "probability tensor contains" not in str(e):
-                raise
-            raise UsageError("non-finite next-token probabilities while sampling: the policy's weights have diverged "
-                             "(check --learning-rate and --max-grad-norm); checkpoints never hold non-finite values") from None
-        completions = sequences[:, ids.shape[1]:]
-        rows += completions.tolist()
-        if record:
-            logps += recorder.gather(completions).tolist()
-    return rows, logps
-
-
-class SampledLogProbs:
-    """A last logits processor for ``generate`` that keeps the log prob of each sampled token under the
-    distribution it was sampled from (after temperature and top-p), holding one (N, V) log-softmax at a time."""
-
-    def __init__(self):
-        self.per_step, self.last = [], None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.last is not None:  # input_ids now ends with the token sampled from the previous step's scores
-            self.per_step.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
-        self.last = scores.float().log_softmax(-1)
-        return scores
-
-    def gather(self, completions: torch.Tensor) -> torch.Tensor:
-        """(N, T) log probs of ``completions`` (generate's output minus the prompt)."""
-        T = completions.shape[1]
-        steps = self.per_step[:T]
-        if len(steps) < T:
-            steps.append(self.last.gather(1, completions[:, -1:]).squeeze(1))
-        return torch.stack(steps, 1)
-
-
 def refresh_sampler(sampler, policy) -> None:
     """Copy the policy's current weights into its bf16 sampler copy, in place (nothing to do when they are one)."""
     if sampler is not policy:
@@ -2181,12 +2196,3 @@ def bf16_sampler(policy):
     for p in sampler.parameters():
         p.data = p.data.to(torch.bfloat16)
     return sampler
-
-
-def sampling_seed(*keys: int) -> int:
-    """A 63-bit seed that depends only on ``keys`` (e.g. seed, step, round, global group index).
-
-    Reseeding before each generation call makes samples a function of what is generated, not of
-    which process generates it or what it drew before (NumPy ``SeedSequence`` hashing).
-    """
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> 1)
