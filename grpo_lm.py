@@ -32,7 +32,9 @@ samplers (--fast-generation, --use-vllm, --tis-cap), micro-batches, torchrun. Th
 share (your own --reward-fn, --dataset fields, --task countdown, --answer-format think, --lora-rank, --track,
 --eval-only) are plumbing in common.py: the loop reads the same with them. Departures from the paper: the
 learning rate (1e-5, as its 1e-6 barely moves a 135M model in 30 steps), G = 8 and 4 questions per step by
-default, and the KL and ratio taken between temperature-scaled distributions (softmax(logits / T)).
+default, and the KL and ratio taken between temperature-scaled distributions (softmax(logits / T)). Where the
+paper leaves a choice open: process supervision makes each completion's final answer one more step, carrying
+the outcome reward, and the iterative reward model is trained by MSE regression on the verifiable reward.
 
 Several GPUs (as nanoGPT's train.py): the same file runs under `torchrun --nproc_per_node K grpo_lm.py ...`.
 --prompts-per-step stays the global number of questions; each process samples and trains on its share
@@ -126,7 +128,8 @@ class Args:
     """added to the group std: a group with equal rewards gets advantage 0, never NaN"""
     # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4, Algorithm 1) ---
     supervision: Literal["outcome", "process"] = "outcome"
-    """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked equations, §4.1.3)"""
+    """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked equations, §4.1.3,
+    the final answer one more step with the outcome reward)"""
     iterations: int = 1
     """Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference <- policy"""
     train_reward_model: bool = False
@@ -228,7 +231,8 @@ class Args:
 # ALGO LOGIC: the pieces of DeepSeekMath §4.1, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask of the tokens of each completion up to and including its first EOS.
+    """Mask of the tokens of each completion up to and including its first EOS: the o_i,t that eq. 3 sums over
+    (|o_i| is its row sum), as the N+ details' "EOS trick" cuts a response after its first EOS.
 
     Args:
         completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
@@ -490,7 +494,7 @@ def main(args: Args, task: common.Task | None = None,
     # beta = 0) and the reward: the task's verifiable reward function, or a reward model r_phi
     policy = common.load_policy(args, device)  # --lora-rank: adapters on the frozen model (add_lora)
     reference = common.load_reference(policy, args, device)
-    reward_model = load_reward_model(args, tokenizer, device)
+    reward_model = make_reward_model(args, tokenizer, device)
     rm_training = RewardModelTraining(reward_model, tokenizer, args, device) if args.train_reward_model else None
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay, fused=device.type == "cuda")  # CUDA: one kernel
@@ -787,7 +791,7 @@ def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
 
 
-def load_reward_model(args: Args, tokenizer, device):
+def make_reward_model(args: Args, tokenizer, device):
     """The reward model r_phi, or None for the task's verifiable reward.
 
     --reward-model-path: a trained sequence-classification model, frozen unless --train-reward-model; with

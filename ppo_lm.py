@@ -55,6 +55,10 @@ github.com/vwxyzjn/summarize_from_feedback_details ppo.py, and TRL's PPOTrainer,
   --max-grad-norm. The N+ code and TRL train policy and value as one module (PolicyAndValueWrapper) under
   one optimizer, and their PPO loops clip no gradient.
 - AdamW weight decay defaults to 0 (--weight-decay), as in TRL; the N+ code's AdamW keeps torch's 0.01.
+- Padding token: the tokenizer's own, or its EOS when it has none; pad == EOS, as for SmolLM2, is allowed.
+  The N+ code adds a distinct [PAD] token. Here the completion mask cuts at the first EOS, so padding never
+  enters a loss, and a reward model is read where its own forward pass pools (the last token that is not the
+  pad token: the one before the EOS when pad == EOS).
 - --missing-eos-penalty P subtracts P >= 0 from the score of a completion without EOS, as TRL's
   PPOConfig.missing_eos_penalty does; the N+ code replaces that score with -1 (penalty_reward_value).
 - The adaptive KL controller's flags are --adaptive-kl-target / --adaptive-kl-horizon (target and
