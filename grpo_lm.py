@@ -1044,9 +1044,10 @@ def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], eos_token_id:
         prompts: B prompt token lists (unpadded), one per group; seeds: B per-request seeds.
     Returns:
         (rows, logps): B * G completion token lists, the G of a prompt contiguous, each ending with EOS unless
-        cut at --max-new-tokens (vLLM leaves the stop token out; it is put back when vLLM stopped on that EOS:
-        ``stop_reason`` None for the tokenizer's EOS, or the EOS id), and vLLM's processed log prob of each token
-        (``logprobs=0``; the engine is built with ``logprobs_mode="processed_logprobs"``), 0.0 for a put-back EOS.
+        cut at --max-new-tokens: when vLLM stopped on that EOS (``stop_reason`` None for the tokenizer's EOS, or
+        the EOS id) and its ``token_ids`` lack it, the EOS is put back once, never on a stop at another id; and
+        vLLM's processed log prob of each token (``logprobs=0``; the engine is built with
+        ``logprobs_mode="processed_logprobs"``), 0.0 for a put-back EOS. Never run against a real vLLM here.
     """
     from vllm import SamplingParams
 

@@ -419,7 +419,7 @@ def test_eval_size_zero_means_no_evaluation(tiny_model_dir, tmp_path):
 
 
 def test_vllm_rows_get_the_eos_back_only_when_vllm_stopped_on_it(monkeypatch):
-    # item 8: vLLM leaves the stop token out; put the EOS back only when it stopped on that EOS (stop_reason None
+    # item 8: where vLLM's token_ids lack the stop token, put the EOS back only when it stopped on that EOS (stop_reason None
     # for the tokenizer's EOS, or the EOS id), not on another stop token id of the model's config
     from types import SimpleNamespace as NS
 
