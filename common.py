@@ -265,15 +265,22 @@ def make_writer(run_dir: str | os.PathLike, args: Any, purge_step: int | None = 
     With ``args.track`` (CleanRL's ``--track``) the run is also tracked with Weights & Biases, which syncs
     these TensorBoard events (``wandb.init(sync_tensorboard=True)``, before the writer exists); a resumed run
     continues the same wandb run. ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
+
+    Raises:
+        UsageError: ``wandb.init`` fails (one line naming --track and wandb's error; :func:`check_tracking` finds
+            a missing API key before anything loads).
     """
     from torch.utils.tensorboard import SummaryWriter
 
     if getattr(args, "track", False):
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=Path(run_dir).name,
-                   id=re.sub(r"[^\w-]", "-", Path(run_dir).name), resume="allow", sync_tensorboard=True,
-                   config=dataclasses.asdict(args), dir=str(run_dir), save_code=True)
+        try:
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=Path(run_dir).name,
+                       id=re.sub(r"[^\w-]", "-", Path(run_dir).name), resume="allow", sync_tensorboard=True,
+                       config=dataclasses.asdict(args), dir=str(run_dir), save_code=True)
+        except Exception as e:  # noqa: BLE001 - no key, no network, a bad entity: one line, whatever wandb raises
+            raise UsageError(f"--track: wandb.init failed: {type(e).__name__}: {_one_line(e)}") from None
     writer = SummaryWriter(str(run_dir), purge_step=purge_step)
     if getattr(args, "track", False):  # closing the writer also ends the wandb run (and writes an offline one out)
         close = writer.close
@@ -375,15 +382,49 @@ def _flag(name: str) -> str:
 
 
 def check_tracking(args: Any) -> None:
-    """``--track`` needs wandb, an optional dependency (``pip install wandb``); checked before anything loads.
+    """``--track`` needs wandb, an optional dependency (``pip install wandb``), and, unless ``WANDB_MODE`` is
+    ``offline`` or ``disabled``, an API key; both checked before anything loads.
+
+    The key is looked for where ``wandb.init`` looks (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the netrc
+    file that ``wandb login`` writes, wandb's settings files), offline: the key is not verified, the network is
+    never used. A wandb whose internals differ from 0.31's skips this look; ``wandb.init``'s own failure is then
+    one line (:func:`make_writer`).
 
     Raises:
         UsageError: one line naming --track.
     """
     import importlib.util
 
-    check(not getattr(args, "track", False) or importlib.util.find_spec("wandb") is not None,
+    if not getattr(args, "track", False):
+        return
+    check(importlib.util.find_spec("wandb") is not None,
           "--track: wandb is not installed; run `pip install wandb` (or leave --track off: TensorBoard logs are always written)")
+    check(_wandb_credentials(), "--track: wandb has no API key (none in WANDB_API_KEY, ~/.netrc or wandb's settings); "
+          "run `wandb login`, or set WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)")
+
+
+def _wandb_credentials() -> bool:
+    """False when ``wandb.init`` would need an API key and find none (wandb 0.31's own look-up, never the network);
+    True when it has one, needs none (``WANDB_MODE`` offline or disabled) or this wandb cannot be asked.
+
+    Raises:
+        UsageError: wandb refuses its settings or credentials (a bad ``WANDB_MODE``, a malformed key).
+    """
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+    except ImportError:
+        return True
+    try:
+        settings = wandb_setup.singleton().settings  # what wandb.init will use: read once per process
+        if settings._offline or settings._noop:
+            return True
+        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+        return wbauth.authenticate_session(host=host, source="--track", prompt=False, update_session=False) is not None
+    except (AttributeError, TypeError):  # another wandb version
+        return True
+    except Exception as e:  # noqa: BLE001 - wandb's own error, in one line
+        raise UsageError(f"--track: wandb: {type(e).__name__}: {_one_line(e)}") from None
 
 
 def check_seed(seed: int, flag: str = "--seed") -> None:

@@ -140,6 +140,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-model-path", "{root}/small_rm"], "--reward-model-path: its vocabulary (10) is smaller", MODEL),
     (["--reward-model-path", "{root}/no_rm"], "--reward-model-path: model directory", CHEAP),
     (["--beta", "1e38", "--format-reward", "1", "--learning-rate", "0.01", "--total-steps", "3"], "non-finite", RUN),
+    (["--track"], "--track: wandb has no API key", CHEAP),  # with no WANDB_* variable, netrc or wandb settings
 ]
 
 GRPO = [
@@ -203,9 +204,12 @@ def _argv(script: str, argv: list[str], files: dict[str, Path]) -> list[str]:
 
 
 @pytest.mark.parametrize("script, argv, message, stage", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
-def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, message, stage, files, capsys, monkeypatch):
+def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, message, stage, files, capsys, monkeypatch,
+                                                               request):
     if argv == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible: --device cuda is good input here")
+    if "--track" in argv:
+        request.getfixturevalue("no_wandb_login")  # no credentials, nothing read from the user's home
     module = grpo_lm if script == "grpo" else ppo_lm
     message = message.replace("{root}", str(files["root"]))
     ckpt = files["root"] / "runs" / script / "checkpoint.pt"
