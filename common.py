@@ -1302,7 +1302,8 @@ def make_task(args: Any) -> Task:
     --task; --answer-format think reads answers from the ``<answer>`` block and pays --format-reward for the
     think/answer format (else --format-reward pays a completion that ends with a number, or Countdown's answer block);
     --reward-fn replaces the reward by the weighted sum (--reward-weights) of the given functions, where the spec
-    ``task`` stands for the task's own reward.
+    ``task`` stands for the task's own reward (--format-reward included; :func:`check_task_flags` refuses
+    --format-reward with --reward-fn but without ``task``).
 
     Raises:
         UsageError: a bad dataset, reward file or weights (one line naming the flag, the file and line).
@@ -1330,7 +1331,10 @@ def make_task(args: Any) -> Task:
 
 
 def check_task_flags(args: Any) -> None:
-    """The LM scripts' task flags (:func:`make_task`) that can be checked before any file is read.
+    """The LM scripts' task flags (:func:`make_task`) that can be checked before any file is read: among them
+    --format-reward with --reward-fn but without its ``task`` spec (the format reward is part of the task's own
+    reward), and two reward functions that would log under one name (``task`` twice, or ``task`` and a function
+    named ``task``).
 
     Raises:
         UsageError: one line naming the flag.
@@ -1338,6 +1342,14 @@ def check_task_flags(args: Any) -> None:
     check(args.answer_format in ("plain", "think"), f"--answer-format must be 'plain' or 'think', not {args.answer_format!r}")
     check(not args.reward_weights or len(args.reward_weights) == len(args.reward_fn), f"--reward-weights: "
           f"{len(args.reward_weights)} weights for {len(args.reward_fn)} --reward-fn functions; give one each (or none)")
+    specs = list(args.reward_fn)
+    check(not specs or "task" in specs or args.format_reward == 0, "--format-reward: is paid by the task's own reward, "
+          "which --reward-fn replaces; add `--reward-fn task` to keep it (or score the format in your own function)")
+    check(specs.count("task") <= 1, "--reward-fn task: given twice; give it once (--reward-weights sets its weight)")
+    named_task = [spec for spec in specs if spec != "task" and spec.rpartition(":")[2] == "task"]
+    if "task" in specs and len(named_task) == 1:  # load_reward_fns names a function alone with its name, as `task` is
+        raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', the name of the task's own reward "
+                         f"(--reward-fn task); rename the function")
     check(not (args.reward_fn and args.reward_model_path and not getattr(args, "train_reward_model", False)),
           "--reward-fn and --reward-model-path are two rewards: pick one (--train-reward-model trains the reward model "
           "on --reward-fn's rewards)")

@@ -53,7 +53,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "short.jsonl").write_text("\n".join(lines[:3]) + "\n")
     (root / "rewards.py").write_text("def ok(completion, example):\n    return 1.0\n\n\ndef raises(completion, example):\n"
                                      "    raise KeyError('score')\n\n\ndef text(completion, example):\n    return 'high'\n\n\n"
-                                     "def nan(completion, example):\n    return float('nan')\n\n\nnot_callable = 3\n")
+                                     "def nan(completion, example):\n    return float('nan')\n\n\nnot_callable = 3\n\n\n"
+                                     "def task(completion, example):\n    return 0.5\n")
     (root / "syntax.py").write_text("def f(completion, example)\n    return 1\n")
     (root / "eval_big.jsonl").write_text("\n".join(lines) + "\n")
     return {"root": root, "model": model}
@@ -129,6 +130,10 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-fn", "{root}/rewards.py:raises"], "rewards.py:raises", RUN),
     (["--reward-fn", "{root}/rewards.py:text"], "rewards.py:text", RUN),
     (["--reward-fn", "{root}/rewards.py:nan"], "rewards.py:nan", RUN),
+    (["--reward-fn", "{root}/rewards.py:ok", "--format-reward", "0.5"], "--format-reward: is paid by the task's own reward", CHEAP),
+    (["--reward-fn", "{root}/rewards.py:ok", "--answer-format", "think", "--format-reward", "0.5"], "--format-reward: ", CHEAP),
+    (["--reward-fn", "task", "--reward-fn", "{root}/rewards.py:task"], "--reward-fn {root}/rewards.py:task: logs as 'task'", CHEAP),
+    (["--reward-fn", "task", "--reward-fn", "task"], "--reward-fn task: given twice", CHEAP),
     (["--answer-format", "xml"], "--answer-format: invalid choice 'xml'", CHEAP),
     (["--system-prompt", "a \ud800 b"], "--system-prompt", CHEAP),
     (["--prompt-field", "answer"], "--prompt-field and --answer-field must name two fields", CHEAP),
