@@ -1113,6 +1113,9 @@ def with_think_answer_format(task: Task, format_weight: float = 0.1) -> Task:
     with 0.0 for the first term when there is no answer block, and ``correct_fn`` is
     ``task.correct_fn(answer block, example)``, False without a block. ``format_weight`` 0.1 follows
     TinyZero's format score (a tenth of a correct answer); DeepSeek-R1 does not publish its weights.
+    ``task``'s functions get the block's text, tags stripped: ones that look for an answer anywhere in a
+    response must be given in a form that reads the whole text as the answer (Countdown:
+    ``make_countdown_task(answer_format="think")``).
     """
     return Task(task.name, task.train, task.test, functools.partial(_answer_block_reward, task.reward_fn, format_weight),
                 functools.partial(_answer_block_correct, task.correct_fn))
@@ -1161,7 +1164,7 @@ def _integer_fraction(literal: Any):
     return Fraction(literal)
 
 
-_COUNTDOWN_CHARS = frozenset("0123456789+-*/() \t\n")
+_COUNTDOWN_CHARS = frozenset("0123456789+-*/() ")
 _NOT_COUNTDOWN = re.compile(r"[^0-9+\-*/()×÷= \t]+")
 
 
@@ -1171,14 +1174,16 @@ def exact_arithmetic_value(text: str, max_length: int = 1000):
     ``×`` and ``÷`` are read as ``*`` and ``/``. The text is parsed with :mod:`ast`, never evaluated:
     only integer literals (no ``3.5``, ``1e3``, ``1_0``, ``07``), the four binary operators and
     parentheses are allowed; no unary minus (each given number is used as itself), no ``**``, ``//``,
-    ``%``, names or calls. The value is an exact ``fractions.Fraction`` (``(1/3 - 1/5) * 15`` is 2,
-    where floats give 2.0000000000000004); ``literals`` are the integers as written, left to right.
-    None for anything else, for a division by zero, and for text over ``max_length`` characters (so
-    that no answer can make the parser or the arithmetic slow).
+    ``%``, names or calls. White space of any kind (new lines, carriage returns, tabs) separates tokens as a
+    space does, so an expression may span lines (``(3 + 5) * 2\n- 7``). The value is an exact
+    ``fractions.Fraction`` (``(1/3 - 1/5) * 15`` is 2, where floats give 2.0000000000000004); ``literals``
+    are the integers as written, left to right. None for anything else, for a division by zero, and for
+    text over ``max_length`` characters once its white space is collapsed (so that no answer can make the
+    parser or the arithmetic slow).
     """
     import ast
 
-    text = text.replace("×", "*").replace("÷", "/").strip()
+    text = " ".join(text.replace("×", "*").replace("÷", "/").split())  # one line: ast would stop at a new line
     if not text or len(text) > max_length or not set(text) <= _COUNTDOWN_CHARS:
         return None
     try:
@@ -1186,7 +1191,7 @@ def exact_arithmetic_value(text: str, max_length: int = 1000):
         value = _arithmetic(tree, _integer_fraction, unary=False)
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
         return None
-    literals = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Constant)), key=lambda n: (n.lineno, n.col_offset))
+    literals = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Constant)), key=lambda n: n.col_offset)
     return value, [n.value for n in literals]
 
 
@@ -1206,17 +1211,23 @@ def countdown_expression(response: str) -> str | None:
 
 
 def countdown_correct(response: str, example: dict) -> bool:
-    """True when the response's expression uses each of ``example["numbers"]`` exactly once and equals ``example["target"]``.
+    """True when the response's expression (:func:`countdown_expression`: its ``<answer>`` block, else the last
+    arithmetic on its last line) is correct by :func:`countdown_expression_correct`.
 
-    The expression is :func:`countdown_expression`'s, read by :func:`exact_arithmetic_value` (exact
-    rational arithmetic: intermediate fractions are allowed, the final value must equal the target
-    exactly). It may be followed by ``= value`` parts (``(3 + 5) * 2 - 7 = 9``); each must then be an
-    expression with that same value. Anything else (another number, a number used twice or not at all,
-    words in the answer block, a division by zero) is not correct.
+    So words in the answer block, or a line of working before the expression in it, make the answer not correct.
     """
     expression = countdown_expression(response)
-    if expression is None:
-        return False
+    return expression is not None and countdown_expression_correct(expression, example)
+
+
+def countdown_expression_correct(expression: str, example: dict) -> bool:
+    """True when the whole of ``expression`` uses each of ``example["numbers"]`` exactly once and equals ``example["target"]``.
+
+    Read by :func:`exact_arithmetic_value` (exact rational arithmetic: intermediate fractions are allowed,
+    the final value must equal the target exactly; it may span lines). It may be followed by ``= value``
+    parts (``(3 + 5) * 2 - 7 = 9``); each must then be an expression with that same value. Anything else
+    (another number, a number used twice or not at all, words, a division by zero) is not correct.
+    """
     first, *claims = expression.split("=")
     parsed = exact_arithmetic_value(first)
     if parsed is None or sorted(parsed[1]) != sorted(example["numbers"]) or parsed[0] != example["target"]:
@@ -1255,7 +1266,7 @@ def _random_countdown_expression(rng: random.Random, numbers: list[int], cap: in
 
 def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_seed: int = 1234,
                         num_problems: int = 10_000, num_numbers: int = 4, max_number: int = 99,
-                        max_target: int = 100) -> Task:
+                        max_target: int = 100, answer_format: str = "plain") -> Task:
     """The Countdown game: "Using the numbers [a, b, c, d] once each with + - * /, make T"; a fixed held-out split.
 
     Generated offline from ``split_seed`` (as :func:`make_multistep_task`), so every run trains and is
@@ -1268,7 +1279,11 @@ def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_s
     example: ``question``, ``numbers``, ``target``, ``answer`` (``str(target)``) and ``solution``.
 
     Reward :func:`countdown_reward` (1.0 correct + ``format_reward`` for an answer block; pass 0 to
-    score correctness alone), correct_fn :func:`countdown_correct`.
+    score correctness alone), correct_fn :func:`countdown_correct`. ``answer_format="think"`` gives the task
+    to wrap with :func:`with_think_answer_format`, which hands its functions the ``<answer>`` block's text:
+    both then read that whole text as the expression (:func:`countdown_expression_correct`, reward 1.0 or 0.0;
+    the wrapper pays the format), as plain mode reads a block, where the plain functions would fall back to the
+    last arithmetic on the text's last line (and count ``<answer>The answer is (1 + 2) * 3</answer>``).
     Raises:
         UsageError: fewer than 2 numbers, a bound below 1, more problems asked for than these bounds
             allow (after 100 draws per problem), or ``num_test`` leaving no problem to train on.
@@ -1293,8 +1308,14 @@ def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_s
     check(len(problems) == num_problems, f"--task countdown: only {len(problems)} distinct problems of {num_numbers} "
           f"numbers up to {max_number} with targets up to {max_target} found in {100 * num_problems} draws; "
           f"ask for fewer than {num_problems}")
-    reward = functools.partial(countdown_reward, format_reward=format_reward)
-    return Task("countdown", *_split(problems, num_test, "task 'countdown'"), reward, countdown_correct)
+    split = _split(problems, num_test, "task 'countdown'")
+    if answer_format == "think":
+        return Task("countdown", *split, _countdown_block_reward, countdown_expression_correct)
+    return Task("countdown", *split, functools.partial(countdown_reward, format_reward=format_reward), countdown_correct)
+
+
+def _countdown_block_reward(block: str, example: dict) -> float:
+    return float(countdown_expression_correct(block, example))
 
 
 def make_task(args: Any) -> Task:
@@ -1317,7 +1338,7 @@ def make_task(args: Any) -> Task:
     elif args.task == "multistep":
         task = make_multistep_task(args.eval_size, plain)
     elif args.task == "countdown":
-        task = make_countdown_task(args.eval_size, plain)
+        task = make_countdown_task(args.eval_size, plain, answer_format=args.answer_format)
     else:
         task = make_addition_task(args.eval_size, plain)
     if args.answer_format == "think":
