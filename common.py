@@ -1871,20 +1871,38 @@ def add_lora(model, args: Any):
     """--lora-rank: the model wrapped by peft with LoRA adapters on --lora-target-modules; only the adapters train.
 
     An adapted weight computes ``W x + (alpha / R) * B A x`` with ``B`` initialised to 0, so the adapted policy
-    starts equal to the model. Dropout stays off (``lora_dropout=0``).
+    starts equal to the model. Dropout stays off (``lora_dropout=0``). An LM head tied to the input embeddings
+    (SmolLM2's) that gets an adapter is first given its own copy of the weight (:func:`_untie_lm_head`), so that
+    the adapter acts on the head alone: merged into a shared weight it would move the input embeddings too.
 
     Raises:
         UsageError: a target module the model does not have.
     """
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import check_target_module_exists
 
     targets = "all-linear" if list(args.lora_target_modules) == ["all-linear"] else list(args.lora_target_modules)
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
                         target_modules=targets, task_type="CAUSAL_LM")
+    head = model.get_output_embeddings()
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    if head_name and head.weight is model.get_input_embeddings().weight and check_target_module_exists(config, head_name):
+        _untie_lm_head(model)
     try:
         return get_peft_model(model, config)
     except ValueError as e:
         raise UsageError(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {str(e).splitlines()[0][:200]}") from None
+
+
+def _untie_lm_head(model) -> None:
+    """Give a causal LM's output embeddings (LM head) their own copy of the input embeddings they share, in place.
+
+    The model computes the same logits; ``config.tie_word_embeddings`` becomes False, so a saved model keeps
+    both weights and loads them untied. Costs one more vocabulary x hidden matrix.
+    """
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    model.config.tie_word_embeddings = False
 
 
 class WithoutAdapter:
@@ -1905,11 +1923,12 @@ class WithoutAdapter:
 
 
 def trained_weights(policy) -> dict:
-    """What a checkpoint keeps of the policy: every weight, or with --lora-rank the adapters' only."""
+    """What a checkpoint keeps of the policy: every weight, or with --lora-rank the adapters' only (never the frozen
+    base weights, which peft would add for an adapted LM head or embedding layer by default)."""
     if hasattr(policy, "peft_config"):
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(policy)
+        return get_peft_model_state_dict(policy, save_embedding_layers=False)
     return policy.state_dict()
 
 
