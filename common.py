@@ -267,15 +267,22 @@ def make_writer(run_dir: str | os.PathLike, args: Any, purge_step: int | None = 
     With ``args.track`` (CleanRL's ``--track``) the run is also tracked with Weights & Biases, which syncs
     these TensorBoard events (``wandb.init(sync_tensorboard=True)``, before the writer exists); a resumed run
     continues the same wandb run. ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
+
+    Raises:
+        UsageError: ``wandb.init`` fails (one line naming --track and wandb's error; :func:`check_tracking` finds
+            a missing API key before anything loads).
     """
     from torch.utils.tensorboard import SummaryWriter
 
     if getattr(args, "track", False):
         import wandb
 
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=Path(run_dir).name,
-                   id=re.sub(r"[^\w-]", "-", Path(run_dir).name), resume="allow", sync_tensorboard=True,
-                   config=dataclasses.asdict(args), dir=str(run_dir), save_code=True)
+        try:
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=Path(run_dir).name,
+                       id=re.sub(r"[^\w-]", "-", Path(run_dir).name), resume="allow", sync_tensorboard=True,
+                       config=dataclasses.asdict(args), dir=str(run_dir), save_code=True)
+        except Exception as e:  # noqa: BLE001 - no key, no network, a bad entity: one line, whatever wandb raises
+            raise UsageError(f"--track: wandb.init failed: {type(e).__name__}: {_one_line(e)}") from None
     writer = SummaryWriter(str(run_dir), purge_step=purge_step)
     if getattr(args, "track", False):  # closing the writer also ends the wandb run (and writes an offline one out)
         close = writer.close
@@ -377,15 +384,49 @@ def _flag(name: str) -> str:
 
 
 def check_tracking(args: Any) -> None:
-    """``--track`` needs wandb, an optional dependency (``pip install wandb``); checked before anything loads.
+    """``--track`` needs wandb, an optional dependency (``pip install wandb``), and, unless ``WANDB_MODE`` is
+    ``offline`` or ``disabled``, an API key; both checked before anything loads.
+
+    The key is looked for where ``wandb.init`` looks (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the netrc
+    file that ``wandb login`` writes, wandb's settings files), offline: the key is not verified, the network is
+    never used. A wandb whose internals differ from 0.31's skips this look; ``wandb.init``'s own failure is then
+    one line (:func:`make_writer`).
 
     Raises:
         UsageError: one line naming --track.
     """
     import importlib.util
 
-    check(not getattr(args, "track", False) or importlib.util.find_spec("wandb") is not None,
+    if not getattr(args, "track", False):
+        return
+    check(importlib.util.find_spec("wandb") is not None,
           "--track: wandb is not installed; run `pip install wandb` (or leave --track off: TensorBoard logs are always written)")
+    check(_wandb_credentials(), "--track: wandb has no API key (none in WANDB_API_KEY, ~/.netrc or wandb's settings); "
+          "run `wandb login`, or set WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)")
+
+
+def _wandb_credentials() -> bool:
+    """False when ``wandb.init`` would need an API key and find none (wandb 0.31's own look-up, never the network);
+    True when it has one, needs none (``WANDB_MODE`` offline or disabled) or this wandb cannot be asked.
+
+    Raises:
+        UsageError: wandb refuses its settings or credentials (a bad ``WANDB_MODE``, a malformed key).
+    """
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+    except ImportError:
+        return True
+    try:
+        settings = wandb_setup.singleton().settings  # what wandb.init will use: read once per process
+        if settings._offline or settings._noop:
+            return True
+        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+        return wbauth.authenticate_session(host=host, source="--track", prompt=False, update_session=False) is not None
+    except (AttributeError, TypeError):  # another wandb version
+        return True
+    except Exception as e:  # noqa: BLE001 - wandb's own error, in one line
+        raise UsageError(f"--track: wandb: {type(e).__name__}: {_one_line(e)}") from None
 
 
 def check_seed(seed: int, flag: str = "--seed") -> None:
@@ -1074,6 +1115,9 @@ def with_think_answer_format(task: Task, format_weight: float = 0.1) -> Task:
     with 0.0 for the first term when there is no answer block, and ``correct_fn`` is
     ``task.correct_fn(answer block, example)``, False without a block. ``format_weight`` 0.1 follows
     TinyZero's format score (a tenth of a correct answer); DeepSeek-R1 does not publish its weights.
+    ``task``'s functions get the block's text, tags stripped: ones that look for an answer anywhere in a
+    response must be given in a form that reads the whole text as the answer (Countdown:
+    ``make_countdown_task(answer_format="think")``).
     """
     return Task(task.name, task.train, task.test, functools.partial(_answer_block_reward, task.reward_fn, format_weight),
                 functools.partial(_answer_block_correct, task.correct_fn))
@@ -1122,7 +1166,7 @@ def _integer_fraction(literal: Any):
     return Fraction(literal)
 
 
-_COUNTDOWN_CHARS = frozenset("0123456789+-*/() \t\n")
+_COUNTDOWN_CHARS = frozenset("0123456789+-*/() ")
 _NOT_COUNTDOWN = re.compile(r"[^0-9+\-*/()×÷= \t]+")
 
 
@@ -1132,14 +1176,16 @@ def exact_arithmetic_value(text: str, max_length: int = 1000):
     ``×`` and ``÷`` are read as ``*`` and ``/``. The text is parsed with :mod:`ast`, never evaluated:
     only integer literals (no ``3.5``, ``1e3``, ``1_0``, ``07``), the four binary operators and
     parentheses are allowed; no unary minus (each given number is used as itself), no ``**``, ``//``,
-    ``%``, names or calls. The value is an exact ``fractions.Fraction`` (``(1/3 - 1/5) * 15`` is 2,
-    where floats give 2.0000000000000004); ``literals`` are the integers as written, left to right.
-    None for anything else, for a division by zero, and for text over ``max_length`` characters (so
-    that no answer can make the parser or the arithmetic slow).
+    ``%``, names or calls. White space of any kind (new lines, carriage returns, tabs) separates tokens as a
+    space does, so an expression may span lines (``(3 + 5) * 2\n- 7``). The value is an exact
+    ``fractions.Fraction`` (``(1/3 - 1/5) * 15`` is 2, where floats give 2.0000000000000004); ``literals``
+    are the integers as written, left to right. None for anything else, for a division by zero, and for
+    text over ``max_length`` characters once its white space is collapsed (so that no answer can make the
+    parser or the arithmetic slow).
     """
     import ast
 
-    text = text.replace("×", "*").replace("÷", "/").strip()
+    text = " ".join(text.replace("×", "*").replace("÷", "/").split())  # one line: ast would stop at a new line
     if not text or len(text) > max_length or not set(text) <= _COUNTDOWN_CHARS:
         return None
     try:
@@ -1147,7 +1193,7 @@ def exact_arithmetic_value(text: str, max_length: int = 1000):
         value = _arithmetic(tree, _integer_fraction, unary=False)
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
         return None
-    literals = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Constant)), key=lambda n: (n.lineno, n.col_offset))
+    literals = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Constant)), key=lambda n: n.col_offset)
     return value, [n.value for n in literals]
 
 
@@ -1167,17 +1213,23 @@ def countdown_expression(response: str) -> str | None:
 
 
 def countdown_correct(response: str, example: dict) -> bool:
-    """True when the response's expression uses each of ``example["numbers"]`` exactly once and equals ``example["target"]``.
+    """True when the response's expression (:func:`countdown_expression`: its ``<answer>`` block, else the last
+    arithmetic on its last line) is correct by :func:`countdown_expression_correct`.
 
-    The expression is :func:`countdown_expression`'s, read by :func:`exact_arithmetic_value` (exact
-    rational arithmetic: intermediate fractions are allowed, the final value must equal the target
-    exactly). It may be followed by ``= value`` parts (``(3 + 5) * 2 - 7 = 9``); each must then be an
-    expression with that same value. Anything else (another number, a number used twice or not at all,
-    words in the answer block, a division by zero) is not correct.
+    So words in the answer block, or a line of working before the expression in it, make the answer not correct.
     """
     expression = countdown_expression(response)
-    if expression is None:
-        return False
+    return expression is not None and countdown_expression_correct(expression, example)
+
+
+def countdown_expression_correct(expression: str, example: dict) -> bool:
+    """True when the whole of ``expression`` uses each of ``example["numbers"]`` exactly once and equals ``example["target"]``.
+
+    Read by :func:`exact_arithmetic_value` (exact rational arithmetic: intermediate fractions are allowed,
+    the final value must equal the target exactly; it may span lines). It may be followed by ``= value``
+    parts (``(3 + 5) * 2 - 7 = 9``); each must then be an expression with that same value. Anything else
+    (another number, a number used twice or not at all, words, a division by zero) is not correct.
+    """
     first, *claims = expression.split("=")
     parsed = exact_arithmetic_value(first)
     if parsed is None or sorted(parsed[1]) != sorted(example["numbers"]) or parsed[0] != example["target"]:
@@ -1216,7 +1268,7 @@ def _random_countdown_expression(rng: random.Random, numbers: list[int], cap: in
 
 def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_seed: int = 1234,
                         num_problems: int = 10_000, num_numbers: int = 4, max_number: int = 99,
-                        max_target: int = 100) -> Task:
+                        max_target: int = 100, answer_format: str = "plain") -> Task:
     """The Countdown game: "Using the numbers [a, b, c, d] once each with + - * /, make T"; a fixed held-out split.
 
     Generated offline from ``split_seed`` (as :func:`make_multistep_task`), so every run trains and is
@@ -1229,7 +1281,11 @@ def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_s
     example: ``question``, ``numbers``, ``target``, ``answer`` (``str(target)``) and ``solution``.
 
     Reward :func:`countdown_reward` (1.0 correct + ``format_reward`` for an answer block; pass 0 to
-    score correctness alone), correct_fn :func:`countdown_correct`.
+    score correctness alone), correct_fn :func:`countdown_correct`. ``answer_format="think"`` gives the task
+    to wrap with :func:`with_think_answer_format`, which hands its functions the ``<answer>`` block's text:
+    both then read that whole text as the expression (:func:`countdown_expression_correct`, reward 1.0 or 0.0;
+    the wrapper pays the format), as plain mode reads a block, where the plain functions would fall back to the
+    last arithmetic on the text's last line (and count ``<answer>The answer is (1 + 2) * 3</answer>``).
     Raises:
         UsageError: fewer than 2 numbers, a bound below 1, more problems asked for than these bounds
             allow (after 100 draws per problem), or ``num_test`` leaving no problem to train on.
@@ -1254,8 +1310,14 @@ def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_s
     check(len(problems) == num_problems, f"--task countdown: only {len(problems)} distinct problems of {num_numbers} "
           f"numbers up to {max_number} with targets up to {max_target} found in {100 * num_problems} draws; "
           f"ask for fewer than {num_problems}")
-    reward = functools.partial(countdown_reward, format_reward=format_reward)
-    return Task("countdown", *_split(problems, num_test, "task 'countdown'"), reward, countdown_correct)
+    split = _split(problems, num_test, "task 'countdown'")
+    if answer_format == "think":
+        return Task("countdown", *split, _countdown_block_reward, countdown_expression_correct)
+    return Task("countdown", *split, functools.partial(countdown_reward, format_reward=format_reward), countdown_correct)
+
+
+def _countdown_block_reward(block: str, example: dict) -> float:
+    return float(countdown_expression_correct(block, example))
 
 
 def make_task(args: Any) -> Task:
@@ -1263,7 +1325,8 @@ def make_task(args: Any) -> Task:
     --task; --answer-format think reads answers from the ``<answer>`` block and pays --format-reward for the
     think/answer format (else --format-reward pays a completion that ends with a number, or Countdown's answer block);
     --reward-fn replaces the reward by the weighted sum (--reward-weights) of the given functions, where the spec
-    ``task`` stands for the task's own reward.
+    ``task`` stands for the task's own reward (--format-reward included; :func:`check_task_flags` refuses
+    --format-reward with --reward-fn but without ``task``).
 
     Raises:
         UsageError: a bad dataset, reward file or weights (one line naming the flag, the file and line).
@@ -1277,7 +1340,7 @@ def make_task(args: Any) -> Task:
     elif args.task == "multistep":
         task = make_multistep_task(args.eval_size, plain)
     elif args.task == "countdown":
-        task = make_countdown_task(args.eval_size, plain)
+        task = make_countdown_task(args.eval_size, plain, answer_format=args.answer_format)
     else:
         task = make_addition_task(args.eval_size, plain)
     if args.answer_format == "think":
@@ -1291,7 +1354,10 @@ def make_task(args: Any) -> Task:
 
 
 def check_task_flags(args: Any) -> None:
-    """The LM scripts' task flags (:func:`make_task`) that can be checked before any file is read.
+    """The LM scripts' task flags (:func:`make_task`) that can be checked before any file is read: among them
+    --format-reward with --reward-fn but without its ``task`` spec (the format reward is part of the task's own
+    reward), and two reward functions that would log under one name (``task`` twice, or ``task`` and a function
+    named ``task``).
 
     Raises:
         UsageError: one line naming the flag.
@@ -1299,6 +1365,14 @@ def check_task_flags(args: Any) -> None:
     check(args.answer_format in ("plain", "think"), f"--answer-format must be 'plain' or 'think', not {args.answer_format!r}")
     check(not args.reward_weights or len(args.reward_weights) == len(args.reward_fn), f"--reward-weights: "
           f"{len(args.reward_weights)} weights for {len(args.reward_fn)} --reward-fn functions; give one each (or none)")
+    specs = list(args.reward_fn)
+    check(not specs or "task" in specs or args.format_reward == 0, "--format-reward: is paid by the task's own reward, "
+          "which --reward-fn replaces; add `--reward-fn task` to keep it (or score the format in your own function)")
+    check(specs.count("task") <= 1, "--reward-fn task: given twice; give it once (--reward-weights sets its weight)")
+    named_task = [spec for spec in specs if spec != "task" and spec.rpartition(":")[2] == "task"]
+    if "task" in specs and len(named_task) == 1:  # load_reward_fns names a function alone with its name, as `task` is
+        raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', the name of the task's own reward "
+                         f"(--reward-fn task); rename the function")
     check(not (args.reward_fn and args.reward_model_path and not getattr(args, "train_reward_model", False)),
           "--reward-fn and --reward-model-path are two rewards: pick one (--train-reward-model trains the reward model "
           "on --reward-fn's rewards)")
@@ -1885,20 +1959,38 @@ def add_lora(model, args: Any):
     """--lora-rank: the model wrapped by peft with LoRA adapters on --lora-target-modules; only the adapters train.
 
     An adapted weight computes ``W x + (alpha / R) * B A x`` with ``B`` initialised to 0, so the adapted policy
-    starts equal to the model. Dropout stays off (``lora_dropout=0``).
+    starts equal to the model. Dropout stays off (``lora_dropout=0``). An LM head tied to the input embeddings
+    (SmolLM2's) that gets an adapter is first given its own copy of the weight (:func:`_untie_lm_head`), so that
+    the adapter acts on the head alone: merged into a shared weight it would move the input embeddings too.
 
     Raises:
         UsageError: a target module the model does not have.
     """
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import check_target_module_exists
 
     targets = "all-linear" if list(args.lora_target_modules) == ["all-linear"] else list(args.lora_target_modules)
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
                         target_modules=targets, task_type="CAUSAL_LM")
+    head = model.get_output_embeddings()
+    head_name = next((name for name, module in model.named_modules() if module is head), None)
+    if head_name and head.weight is model.get_input_embeddings().weight and check_target_module_exists(config, head_name):
+        _untie_lm_head(model)
     try:
         return get_peft_model(model, config)
     except ValueError as e:
         raise UsageError(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {str(e).splitlines()[0][:200]}") from None
+
+
+def _untie_lm_head(model) -> None:
+    """Give a causal LM's output embeddings (LM head) their own copy of the input embeddings they share, in place.
+
+    The model computes the same logits; ``config.tie_word_embeddings`` becomes False, so a saved model keeps
+    both weights and loads them untied. Costs one more vocabulary x hidden matrix.
+    """
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+    model.config.tie_word_embeddings = False
 
 
 class WithoutAdapter:
@@ -1919,11 +2011,12 @@ class WithoutAdapter:
 
 
 def trained_weights(policy) -> dict:
-    """What a checkpoint keeps of the policy: every weight, or with --lora-rank the adapters' only."""
+    """What a checkpoint keeps of the policy: every weight, or with --lora-rank the adapters' only (never the frozen
+    base weights, which peft would add for an adapted LM head or embedding layer by default)."""
     if hasattr(policy, "peft_config"):
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(policy)
+        return get_peft_model_state_dict(policy, save_embedding_layers=False)
     return policy.state_dict()
 
 

@@ -65,3 +65,28 @@ def tiny_reward_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_lora_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama-lora"), init_std=0.2)
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """wandb with no credentials, reading nothing of the user's: HOME, NETRC and WANDB_CONFIG_DIR in ``tmp_path``, no
+    WANDB_* variable, and the process's wandb settings and session credentials cleared (wandb keeps the first ones it
+    reads in a process), then put back. Yields the new home directory."""
+    wandb_setup = pytest.importorskip("wandb.sdk.wandb_setup")
+    from wandb.sdk.lib.wbauth import authenticate
+
+    for key in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    home = tmp_path / "home"
+    (home / "wandb_config").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb_config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(wandb_setup, "_singleton", None)
+    monkeypatch.setattr(authenticate, "_session_auth", None)
+    yield home
+    if wandb_setup._singleton is not None:  # a wandb.init in the test started wandb's service: stop it
+        import wandb
+
+        wandb.teardown()

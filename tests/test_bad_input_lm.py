@@ -53,7 +53,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "short.jsonl").write_text("\n".join(lines[:3]) + "\n")
     (root / "rewards.py").write_text("def ok(completion, example):\n    return 1.0\n\n\ndef raises(completion, example):\n"
                                      "    raise KeyError('score')\n\n\ndef text(completion, example):\n    return 'high'\n\n\n"
-                                     "def nan(completion, example):\n    return float('nan')\n\n\nnot_callable = 3\n")
+                                     "def nan(completion, example):\n    return float('nan')\n\n\nnot_callable = 3\n\n\n"
+                                     "def task(completion, example):\n    return 0.5\n")
     (root / "syntax.py").write_text("def f(completion, example)\n    return 1\n")
     (root / "eval_big.jsonl").write_text("\n".join(lines) + "\n")
     return {"root": root, "model": model}
@@ -129,6 +130,10 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-fn", "{root}/rewards.py:raises"], "rewards.py:raises", RUN),
     (["--reward-fn", "{root}/rewards.py:text"], "rewards.py:text", RUN),
     (["--reward-fn", "{root}/rewards.py:nan"], "rewards.py:nan", RUN),
+    (["--reward-fn", "{root}/rewards.py:ok", "--format-reward", "0.5"], "--format-reward: is paid by the task's own reward", CHEAP),
+    (["--reward-fn", "{root}/rewards.py:ok", "--answer-format", "think", "--format-reward", "0.5"], "--format-reward: ", CHEAP),
+    (["--reward-fn", "task", "--reward-fn", "{root}/rewards.py:task"], "--reward-fn {root}/rewards.py:task: logs as 'task'", CHEAP),
+    (["--reward-fn", "task", "--reward-fn", "task"], "--reward-fn task: given twice", CHEAP),
     (["--answer-format", "xml"], "--answer-format: invalid choice 'xml'", CHEAP),
     (["--system-prompt", "a \ud800 b"], "--system-prompt", CHEAP),
     (["--prompt-field", "answer"], "--prompt-field and --answer-field must name two fields", CHEAP),
@@ -140,6 +145,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-model-path", "{root}/small_rm"], "--reward-model-path: its vocabulary (10) is smaller", MODEL),
     (["--reward-model-path", "{root}/no_rm"], "--reward-model-path: model directory", CHEAP),
     (["--beta", "1e38", "--format-reward", "1", "--learning-rate", "0.01", "--total-steps", "3"], "non-finite", RUN),
+    (["--track"], "--track: wandb has no API key", CHEAP),  # with no WANDB_* variable, netrc or wandb settings
 ]
 
 GRPO = [
@@ -203,9 +209,12 @@ def _argv(script: str, argv: list[str], files: dict[str, Path]) -> list[str]:
 
 
 @pytest.mark.parametrize("script, argv, message, stage", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
-def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, message, stage, files, capsys, monkeypatch):
+def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, message, stage, files, capsys, monkeypatch,
+                                                               request):
     if argv == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible: --device cuda is good input here")
+    if "--track" in argv:
+        request.getfixturevalue("no_wandb_login")  # no credentials, nothing read from the user's home
     module = grpo_lm if script == "grpo" else ppo_lm
     message = message.replace("{root}", str(files["root"]))
     ckpt = files["root"] / "runs" / script / "checkpoint.pt"

@@ -171,6 +171,50 @@ def test_make_writer_purges_the_steps_a_killed_run_logged_after_its_checkpoint(t
     assert json.loads((tmp_path / "args.json").read_text())["seed"] == 1
 
 
+@dataclass
+class _TrackArgs:
+    track: bool = True
+    wandb_project_name: str = "tests"
+    wandb_entity: str | None = None
+    seed: int = 1
+
+
+def test_track_without_a_wandb_api_key_is_one_line_before_anything_loads(no_wandb_login, monkeypatch):
+    # wandb.init would stop with "No API key configured" after the models load; read offline, never the network
+    with pytest.raises(common.UsageError, match=r"^--track: wandb has no API key .*`wandb login`.*WANDB_MODE=offline"):
+        common.check_tracking(_TrackArgs())
+    common.check_tracking(_TrackArgs(track=False))
+    from wandb.sdk import wandb_setup
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # an offline run needs no key
+    monkeypatch.setattr(wandb_setup, "_singleton", None)  # in a new process: wandb reads its settings once
+    common.check_tracking(_TrackArgs())
+
+
+@pytest.mark.parametrize("source", ["env", "netrc"])
+def test_track_with_a_wandb_api_key_passes_the_check(source, no_wandb_login, monkeypatch):
+    key = "a" * 40  # wandb's key format; never sent anywhere: the check reads it, it does not verify it
+    if source == "env":
+        monkeypatch.setenv("WANDB_API_KEY", key)
+    else:  # what `wandb login` writes
+        (no_wandb_login / ".netrc").write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+        (no_wandb_login / ".netrc").chmod(0o600)
+    common.check_tracking(_TrackArgs())
+
+
+def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+
+    def init(**kwargs):
+        raise wandb.errors.CommError("Network error (ConnectionError),\n entering retry loop.")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(common.UsageError, match=r"^--track: wandb.init failed: CommError: Network error \(ConnectionError\), "
+                                                r"entering retry loop.$"):
+        common.make_writer(tmp_path, _TrackArgs())
+    assert not list(tmp_path.glob("events.out.tfevents.*"))  # nothing was started
+
+
 # ----------------------------------------------------------------------------------------------
 # atomic_save
 # ----------------------------------------------------------------------------------------------

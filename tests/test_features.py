@@ -101,13 +101,34 @@ def test_ppo_countdown_with_the_think_format(tiny_model_dir, tmp_path):
     assert h["reward/mean"] == [0.0] and h["reward/accuracy"] == [0.0]
 
 
-def test_eval_only_in_ppo(tiny_model_dir, tmp_path):
+def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
+    # as grpo's test: --eval-only from checkpoint.pt and from final_model gives the last accuracy training logged,
+    # which training moved (so neither can be the untrained model's)
     import ppo_lm
-    from test_ppo_lm import tiny_args as ppo_args
     from test_grpo_lm import digit_task
 
-    trained = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, eval_size=8), task=digit_task())
-    again = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, eval_size=8, eval_only=True,
-                                 resume=str(tmp_path / "run" / "checkpoint.pt")), task=digit_task())
-    assert again["eval/accuracy"] == trained["eval/accuracy"][-1:]
-    assert (tmp_path / "run" / "eval_step1.json").is_file()
+    task = digit_task()
+    task.correct_fn = lambda completion, example: sum(c.isdigit() for c in completion) >= 3  # what the reward teaches
+    kw = dict(total_steps=2, eval_size=8, beta=0.01)
+    trained = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, **kw), task=task)
+    run = tmp_path / "run"
+    from_ckpt = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, eval_only=True, resume=str(run / "checkpoint.pt"), **kw),
+                            task=task)
+    from_model = ppo_lm.main(ppo_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"), task=task)
+    assert trained["eval/accuracy"] == [0.0, 1.0]  # training moved it: a real comparison
+    assert from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == [1.0]
+    assert json.loads((run / "eval_step2.json").read_text())["accuracy"] == 1.0
+    assert (tmp_path / "eval" / "eval.json").is_file()
+
+
+def test_ppo_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
+    # --track in ppo_lm, as in grpo_lm: the config and the synced TensorBoard scalars in wandb's offline run
+    import ppo_lm
+    from test_grpo_lm import digit_task
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"), task=digit_task())
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    record = runs[0].read_bytes()  # wandb's own log
+    assert b"num_ppo_epochs" in record and b"reward/mean" in record and b"loss/value" in record

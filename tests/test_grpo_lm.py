@@ -525,11 +525,9 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
     assert 0 < history["loss/entropy"][0] < math.log(len(tok))  # below the uniform distribution's log V
 
 
-def test_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
     # issue 16: --track (CleanRL's convention) syncs the TensorBoard scalars to wandb; offline here, no network
-    pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
                  task=digit_task())
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))

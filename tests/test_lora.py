@@ -58,6 +58,32 @@ def test_lora_resume_reproduces_the_uninterrupted_run(tiny_lora_model_dir, tmp_p
                                **{**kw, "lora_rank": 8}), task=digit_task())
 
 
+def test_an_adapter_on_a_tied_lm_head_is_saved_alone_resumes_exactly_and_merges(tiny_lora_model_dir, tmp_path):
+    # the tiny model, as SmolLM2, ties its LM head to the input embeddings: the head's adapter must adapt the head
+    # only, the checkpoint hold the adapters only (not the frozen shared weight), and final_model be the policy
+    kw = dict(LORA, lora_target_modules=("q_proj", "lm_head"))
+    full = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw), task=digit_task())
+    grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task())
+    ckpt = tmp_path / "b" / "run" / "checkpoint.pt"
+    saved = common.load_checkpoint(ckpt)["policy"]
+    assert all("lora_" in k for k in saved) and any("lm_head.lora_B" in k for k in saved), sorted(saved)
+    resumed = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=4, resume=str(ckpt), **kw),
+                           task=digit_task())
+    for key in ("loss/policy", "reward/mean", "loss/kl", "optim/grad_norm"):
+        assert resumed[key] == full[key][2:], key  # exact
+    policy = common.load_policy(grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), **kw), "cpu")
+    common.load_trained_weights(policy, common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")["policy"])
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "run" / "final_model").eval()
+    base = common.load_model(str(tiny_lora_model_dir))
+    assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)  # only the head moved
+    assert not torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_lora_with_fast_generation_samples_from_the_current_adapter(tiny_lora_model_dir, tmp_path):
     # the rewards are those of the bf16 sampler's completions: they only rise if the copy follows the adapters
     history = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path, total_steps=25, fast_generation=True, **LORA),

@@ -406,6 +406,37 @@ def test_countdown_expression_and_correctness():
     assert reward("<answer>(3 + 5) * 2 - 7</answer>", EX, format_reward=0.0) == 1.0
 
 
+def test_countdown_expressions_may_span_lines():
+    from fractions import Fraction
+
+    value = common.exact_arithmetic_value
+    for text in ("(3 + 5) * 2\n- 7", "(3 + 5) * 2\r\n- 7", "(3 + 5)\t*\n2 -\r7"):  # white space is white space
+        assert value(text) == (Fraction(9), [3, 5, 2, 7]), repr(text)
+    assert value("3 + 5\n* 2 - 7") == (Fraction(6), [3, 5, 2, 7])  # one expression: * binds first
+    for response in ("<answer>(3 + 5) * 2\n- 7</answer>", "<answer>\r\n(3 + 5) * 2\r\n- 7\r\n</answer>",
+                     "<think>x</think><answer>(3 + 5) * 2 - 7\n= 9</answer>"):
+        assert common.countdown_correct(response, EX), repr(response)
+    assert not common.countdown_correct("<answer>3 + 5\n* 2 - 7</answer>", EX)  # 6
+
+
+@pytest.mark.parametrize("response, correct", [
+    ("<think>x</think><answer>(3 + 5) * 2 - 7</answer>", True),
+    ("<think>x</think><answer> (3 + 5) * 2 - 7 = 9 </answer>", True),
+    ("<think>x</think><answer>(3 + 5) * 2\n- 7</answer>", True),
+    ("<think>x</think><answer>The answer is (3 + 5) * 2 - 7</answer>", False),  # prose in the block
+    ("<think>x</think><answer>\n3 + 5 = 8\n(3 + 5) * 2 - 7\n</answer>", False),  # work in the block, then the answer
+    ("<think>x</think><answer>(3 + 5) * 2 - 7 is it</answer>", False),
+    ("<think>(3 + 5) * 2 - 7</think><answer>nine</answer>", False),
+])
+def test_countdown_in_the_think_format_reads_the_whole_answer_block(response, correct):
+    # the answer block is the expression, as in plain mode: no fallback to the last arithmetic on its last line
+    import grpo_lm
+
+    task = common.make_task(grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4))
+    assert task.correct_fn(response, EX) is correct == common.countdown_correct(response, EX)
+    assert task.reward_fn(response, EX) == pytest.approx(correct + 0.1)  # + the think/answer format
+
+
 def test_countdown_task_is_generated_offline_solvable_and_split():
     import time
 
