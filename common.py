@@ -1356,7 +1356,7 @@ def make_task(args: Any) -> Task:
 def check_task_flags(args: Any) -> None:
     """The LM scripts' task flags (:func:`make_task`) that can be checked before any file is read: among them
     --format-reward with --reward-fn but without its ``task`` spec (the format reward is part of the task's own
-    reward), and two reward functions that would log under one name (``task`` twice, or ``task`` and a function
+    reward) or with a frozen reward model (which scores instead of the task), and two reward functions that would log under one name (``task`` twice, or ``task`` and a function
     named ``task``).
 
     Raises:
@@ -1373,6 +1373,9 @@ def check_task_flags(args: Any) -> None:
     if "task" in specs and len(named_task) == 1:  # load_reward_fns names a function alone with its name, as `task` is
         raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', the name of the task's own reward "
                          f"(--reward-fn task); rename the function")
+    check(not (args.reward_model_path and args.format_reward and not getattr(args, "train_reward_model", False)),
+          "--format-reward: the frozen reward model scores every completion, so the task's format reward would never "
+          "be paid; drop one of them")
     check(not (args.reward_fn and args.reward_model_path and not getattr(args, "train_reward_model", False)),
           "--reward-fn and --reward-model-path are two rewards: pick one (--train-reward-model trains the reward model "
           "on --reward-fn's rewards)")

@@ -132,6 +132,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-fn", "{root}/rewards.py:nan"], "rewards.py:nan", RUN),
     (["--reward-fn", "{root}/rewards.py:ok", "--format-reward", "0.5"], "--format-reward: is paid by the task's own reward", CHEAP),
     (["--reward-fn", "{root}/rewards.py:ok", "--answer-format", "think", "--format-reward", "0.5"], "--format-reward: ", CHEAP),
+    (["--reward-model-path", "{root}/rm", "--format-reward", "0.5"], "--format-reward: the frozen reward model scores", CHEAP),
     (["--reward-fn", "task", "--reward-fn", "{root}/rewards.py:task"], "--reward-fn {root}/rewards.py:task: logs as 'task'", CHEAP),
     (["--reward-fn", "task", "--reward-fn", "task"], "--reward-fn task: given twice", CHEAP),
     (["--answer-format", "xml"], "--answer-format: invalid choice 'xml'", CHEAP),
