@@ -139,7 +139,8 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
     beta: float = 0.05
-    """initial KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model)"""
+    """KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with --adaptive-kl-target its
+    initial value (a resumed run continues the controller's saved beta)"""
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)"""
     gamma: float = 1.0
@@ -852,8 +853,9 @@ def resume_checkpoint(args: Args) -> dict | None:
 
 def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, reference) -> tuple[int, float]:
     """Load a checkpoint's weights and optimizer state; returns the step it was written at and the KL coefficient
-    of the next step. The flags given now set the optimizer's hyperparameters (--learning-rate,
-    --value-learning-rate, --adam-eps, --weight-decay take effect on resume).
+    of the next step: with --adaptive-kl-target the controller's saved value, else --beta (given again, it takes
+    effect). The flags given now set the optimizer's hyperparameters (--learning-rate, --value-learning-rate,
+    --adam-eps, --weight-decay take effect on resume).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
@@ -869,7 +871,7 @@ def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, refere
                          f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})") from None
     for group, lr in zip(optimizer.param_groups, (args.learning_rate, args.value_learning_rate or args.learning_rate)):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    return checkpoint["step"], checkpoint["kl_coef"]
+    return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target is not None else args.beta
 
 
 def new_totals() -> dict:
