@@ -199,9 +199,9 @@ class Args:
     eval_batch_size: int = 64
     """questions per greedy generation batch during evaluation"""
     sample_every: int = 5
-    """print and log sample completions every N steps"""
+    """print and log sample completions every N steps (0 = never)"""
     save_every: int = 10
-    """write a checkpoint every N steps (and at the end)"""
+    """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
     flags, same results); the model and the reward model cannot change"""
@@ -768,6 +768,9 @@ FROZEN = {  # flags a resumed run cannot change, and why
     "lora_rank": "the checkpoint holds adapters of this rank (or the full policy)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
+    "eval_size": "the first --eval-size questions are held out, the others trained on (--eval-only may evaluate fewer)",
+    "runs_dir": "a resumed run writes to the directory of its checkpoint",
+    "run_name": "a resumed run writes to the directory of its checkpoint",
 }
 HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests
 
@@ -787,11 +790,10 @@ def validate(args: Args) -> None:
     if args.reward_model_path is not None:
         common.check_model_path(args.reward_model_path, "--reward-model-path")
     common.check_task_flags(args)
+    common.check_run_flags(args)
     check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
     check(not args.eval_only or common.world_size() == 1, "--eval-only runs in one process, not under torchrun")
-    check(args.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)")
-    check(args.lora_alpha is None or args.lora_alpha > 0, "--lora-alpha must be > 0")
-    check(args.lora_dropout == 0, "--lora-dropout must be 0: dropout is off everywhere, so that log probs are not random")
+    common.check_lora_flags(args)
     validate_ppo(args)
 
 
@@ -836,19 +838,16 @@ def validate_ppo(args: Args) -> None:
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads: this script's, with the flags that
-    cannot change unchanged (``FROZEN``); None without --resume. A run saved with a flag this file no longer has
-    (--kl-estimator, --target-kl) is not this script's and cannot be resumed.
+    """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
+    this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train and no NaN or inf;
+    None without --resume. A run saved with a flag this file no longer has (--kl-estimator, --target-kl) cannot be
+    resumed.
 
     Raises:
-        UsageError: a missing, unreadable or other script's checkpoint, or a flag that cannot change.
+        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, or a
+            run that already reached --total-steps.
     """
-    if not args.resume:
-        return None
-    checkpoint = common.load_checkpoint(args.resume, mmap=True)
-    saved = common.check_checkpoint_script(checkpoint, args.resume, Args, SCRIPT)
-    common.check_resume_compatible(saved, args, FROZEN)
-    return checkpoint
+    return common.resume_checkpoint(args, Args, SCRIPT, FROZEN)
 
 
 def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, reference) -> tuple[int, float]:
