@@ -191,7 +191,7 @@ class Args:
     """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
-    flags, same results); the model, group size and reward model cannot change"""
+    flags, same results); the model, group size, reward model, --eval-size and run directory cannot change"""
     torch_threads: int = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False

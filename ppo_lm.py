@@ -204,7 +204,7 @@ class Args:
     """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
-    flags, same results); the model and the reward model cannot change"""
+    flags, same results); the model, the reward model, --eval-size and the run directory cannot change"""
     torch_threads: int = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
