@@ -192,8 +192,10 @@ def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool 
     flags of a multi-GB checkpoint cost little (a file in torch's legacy, non-zip format is read whole).
 
     Raises:
-        UsageError: the file is missing, not a file, or cannot be read (corrupt, truncated, not a checkpoint).
+        UsageError: the path is empty, the file is missing, not a file, or cannot be read (corrupt, truncated,
+            not a checkpoint).
     """
+    check(str(path) != "", f"{flag}: expected a checkpoint file, not an empty path")
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{flag}: checkpoint file {path} does not exist")
@@ -213,26 +215,56 @@ def _first_line(err: BaseException) -> str:
 
 def check_checkpoint_script(ckpt: Any, path: str | os.PathLike, args_cls: type, script: str | None = None,
                             flag: str = "--resume") -> dict:
-    """The flags a checkpoint was written with (its ``"args"`` dict), after checking it is this script's.
+    """The flags a checkpoint was written with (its ``"args"`` dict), after checking it is this script's and that
+    ``args_cls(**saved)`` is a valid set of flags.
 
     A checkpoint names its writer under ``"script"`` (e.g. ``"ppo_continuous.py"``); it must equal
-    ``script``. A checkpoint without that key (older ones), or any checkpoint when ``script`` is
-    None, is judged by its flags: each must be a field of the dataclass ``args_cls``.
+    ``script``, and its flags must still be fields of the dataclass ``args_cls`` (a flag removed since
+    is refused). A checkpoint without that key (older ones), or any checkpoint when ``script`` is
+    None, is judged by its flags: each must be a field of ``args_cls``. Every saved value must be
+    of its field's type (:func:`_fits`).
 
     Raises:
-        UsageError: one line naming ``flag`` and ``path``: no saved flags, another script's checkpoint.
+        UsageError: one line naming ``flag`` and ``path``: no saved flags, another script's checkpoint,
+            a flag this script no longer has, a value of the wrong type.
     """
+    import typing
+
     what = f"a {script} checkpoint" if script else "a checkpoint of this script"
     saved = ckpt.get("args") if isinstance(ckpt, dict) else None
     check(isinstance(saved, dict) and saved, f"{flag}: {path} holds no saved flags; it is not {what}")
     writer = ckpt.get("script")
-    if script is not None and writer is not None:
-        check(writer == script, f"{flag}: {path} was written by {writer}, not {script}")
-        return saved
     unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(args_cls)})
     shown = ", ".join(_flag(k) for k in unknown[:3]) + (", ..." if len(unknown) > 3 else "")
+    if script is not None and writer is not None:
+        check(writer == script, f"{flag}: {path} was written by {writer}, not {script}")
+        check(not unknown, f"{flag}: {path} holds flags that this script no longer has ({shown}); start a new run")
     check(not unknown, f"{flag}: {path} is not {what} (its flags {shown} are not this script's)")
+    for name, hint in typing.get_type_hints(args_cls).items():
+        if name in saved and not _fits(saved[name], hint):
+            raise UsageError(f"{flag}: {path} holds {_flag(name)} {saved[name]!r}, which is not a "
+                             f"{getattr(hint, '__name__', hint)}; start a new run")
     return saved
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type ``hint`` of an Args field: bool, int, float (an int is one), str, None,
+    unions, ``Literal[...]``, ``list[X]`` and ``tuple[X, ...]`` (either sequence)."""
+    import types
+    import typing
+
+    origin, params = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, p) for p in params)
+    if origin is typing.Literal:
+        return value in params
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_fits(v, params[0]) for v in value)
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint) if isinstance(hint, type) else True
 
 
 def check_resume_compatible(saved: dict, args: Any, frozen: dict[str, str]) -> None:
@@ -255,6 +287,18 @@ def make_run_name(script: str, args: Any) -> str:
     """``{env_or_task}__{script}__{seed}__{unix time}``, as in CleanRL."""
     tag = getattr(args, "env_id", None) or getattr(args, "task", None) or "run"
     return f"{Path(str(tag)).stem}__{script}__{args.seed}__{int(time.time())}"
+
+
+def check_new_run_dir(run_dir: str | os.PathLike, flag: str) -> None:
+    """A new run must not overwrite another run's checkpoint, final model and args.json: its directory (the same
+    run name, or a default one made in the same second) must hold no ``checkpoint.pt``. ``flag``: the flag that
+    names the directory (``"--run-name"``).
+
+    Raises:
+        UsageError: ``"runs/x holds a checkpoint: resume it with --resume runs/x/checkpoint.pt, or pick another --run-name"``.
+    """
+    ckpt = Path(run_dir) / "checkpoint.pt"
+    check(not ckpt.exists(), f"{run_dir} holds a checkpoint: resume it with --resume {ckpt}, or pick another {flag}")
 
 
 def make_writer(run_dir: str | os.PathLike, args: Any, purge_step: int | None = None):
@@ -1535,7 +1579,8 @@ def _checked_scores(fn: Callable[[str, dict], Any], what: str, texts: list[str],
 
     The line names ``what`` and the completion's index (``first_index`` + its position in ``texts``):
     ``fn`` raised, returned something that is not a real number (a bool is one: True is 1.0, as in
-    Python's arithmetic), or a non-finite value, or with ``unit`` a value outside [0, 1].
+    Python's arithmetic), or a value that is not finite in float32 (NaN, inf, 1e39), or with ``unit`` a
+    value outside [0, 1].
     """
     import math
     import numbers
@@ -1556,9 +1601,9 @@ def _checked_scores(fn: Callable[[str, dict], Any], what: str, texts: list[str],
             value = float(value)
         except OverflowError:  # an int too large for a float
             value = math.inf
-        if not math.isfinite(value) or (unit and not 0 <= value <= 1):
-            raise UsageError(f"{what} returned {value} {where}; expected "
-                             f"{'True/False or a number in [0, 1]' if unit else 'a finite number'}")
+        if not abs(value) <= np.finfo(np.float32).max or (unit and not 0 <= value <= 1):  # rewards are float32
+            expected = "True/False or a number in [0, 1]" if unit else "a finite number (rewards are float32: |x| <= 3.4e38)"
+            raise UsageError(f"{what} returned {value} {where}; expected {expected}")
         scores.append(value)
     return scores
 
@@ -1892,14 +1937,56 @@ def prompt_style(args: Any) -> tuple[str | None, str]:
     return (default if args.system_prompt is None else args.system_prompt), args.response_prefix
 
 
-def make_run_dir(args: Any) -> Path:
-    """``{runs_dir}/{run_name}`` (the checkpoint's directory with --resume), checked to be writable before anything loads.
+def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, str]) -> dict | None:
+    """The --resume checkpoint of an LM script (memory-mapped), checked before anything loads; None without --resume.
+
+    Checked: readable, ``script``'s, its flags this version's (:func:`check_checkpoint_script`); the flags that cannot
+    change (``frozen``, :func:`check_resume_compatible`), except that --eval-only may evaluate on fewer of the
+    questions the run held out (``frozen``'s ``eval_size``, never more: the others were trained on); steps left to
+    train, unless --eval-only; no NaN or inf anywhere in it (a run that diverged before checkpoints refused them).
 
     Raises:
-        UsageError: the directory cannot be created or written.
+        UsageError: one line naming the flag.
+    """
+    if args.resume is None:
+        return None
+    checkpoint = load_checkpoint(args.resume, mmap=True)
+    saved = check_checkpoint_script(checkpoint, args.resume, args_cls, script)
+    if args.eval_only and "eval_size" in saved:
+        frozen = {name: why for name, why in frozen.items() if name != "eval_size"}
+        check(args.eval_size <= saved["eval_size"], f"--eval-size {args.eval_size}: this run held out "
+              f"{saved['eval_size']} questions and trained on the others; evaluate on at most {saved['eval_size']}")
+    check_resume_compatible(saved, args, frozen)
+    step = checkpoint["step"]
+    check(args.eval_only or args.total_steps > step, f"--total-steps: this run already reached step {step}; pass more "
+          f"than {step} to train further (or --eval-only to evaluate it)")
+    bad = first_non_finite({key: value for key, value in checkpoint.items() if key != "args"})
+    check(bad is None, f"--resume: {args.resume} holds non-finite values in {bad}; it is from a run that diverged")
+    return checkpoint
+
+
+def check_run_flags(args: Any) -> None:
+    """The LM scripts' --eval-every, --sample-every and --save-every: a number of steps, 0 with its documented meaning.
+
+    Raises:
+        UsageError: a negative one.
+    """
+    for flag, zero in (("eval_every", "only at the start and the end"), ("sample_every", "never"),
+                       ("save_every", "only at the end")):
+        check(getattr(args, flag) >= 0, f"{_flag(flag)} must be >= 0 (a number of steps; 0 = {zero})")
+
+
+def make_run_dir(args: Any) -> Path:
+    """``{runs_dir}/{run_name}`` (the checkpoint's directory with --resume), checked to be writable before anything
+    loads; a new training run's must hold no checkpoint (:func:`check_new_run_dir`).
+
+    Raises:
+        UsageError: the directory cannot be created or written, or a new run's holds another run's checkpoint.
     """
     run_dir = Path(args.resume).parent if args.resume else \
         Path(args.runs_dir) / (args.run_name or make_run_name(args.exp_name, args))
+    if not (args.resume or args.eval_only):
+        check_new_run_dir(run_dir, "--run-name")
     check_writable_dir(run_dir, "--resume" if args.resume else "--runs-dir")
     return run_dir
 
@@ -1958,6 +2045,22 @@ def load_reference(policy, args: Any, device):
     return load_model(args.model_name_or_path, device=device).eval().requires_grad_(False)
 
 
+def check_lora_flags(args: Any) -> None:
+    """The LM scripts' LoRA flags (:func:`add_lora`) that can be checked before anything loads; whether each
+    --lora-target-modules name is a module of the model is checked when it loads.
+
+    Raises:
+        UsageError: one line naming the flag.
+    """
+    check(args.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)")
+    check(args.lora_alpha is None or args.lora_alpha > 0, "--lora-alpha must be > 0")
+    check(args.lora_dropout == 0, "--lora-dropout must be 0: dropout is off everywhere, so that log probs are not random")
+    modules = list(args.lora_target_modules)
+    check(len(modules) > 0, "--lora-target-modules: name at least one module (or 'all-linear')")
+    check("all-linear" not in modules or modules == ["all-linear"], "--lora-target-modules: 'all-linear' already "
+          f"adapts every linear projection; give it alone, or name the modules instead ({' '.join(modules)})")
+
+
 def add_lora(model, args: Any):
     """--lora-rank: the model wrapped by peft with LoRA adapters on --lora-target-modules; only the adapters train.
 
@@ -1967,12 +2070,19 @@ def add_lora(model, args: Any):
     the adapter acts on the head alone: merged into a shared weight it would move the input embeddings too.
 
     Raises:
-        UsageError: a target module the model does not have.
+        UsageError: a target module name that matches no module of the model (peft matches a name to the modules
+            whose dotted name ends with it), or one peft cannot adapt.
     """
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
     targets = "all-linear" if list(args.lora_target_modules) == ["all-linear"] else list(args.lora_target_modules)
+    names = [name for name, _ in model.named_modules()]
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    for target in targets if targets != "all-linear" else []:  # peft adapts what matches, silent about the rest
+        check(any(name == target or name.endswith("." + target) for name in names),
+              f"--lora-target-modules: {target!r} matches no module of {args.model_name_or_path} (its linear layers: "
+              f"{' '.join(linear)})")
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, lora_dropout=0.0,
                         target_modules=targets, task_type="CAUSAL_LM")
     head = model.get_output_embeddings()

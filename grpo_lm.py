@@ -186,12 +186,12 @@ class Args:
     eval_batch_size: int = 64
     """questions per greedy generation batch during evaluation"""
     sample_every: int = 5
-    """print and log sample completions every N steps"""
+    """print and log sample completions every N steps (0 = never)"""
     save_every: int = 10
-    """write a checkpoint every N steps (and at the end)"""
+    """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
-    flags, same results); the model, group size and reward model cannot change"""
+    flags, same results); the model, group size, reward model, --eval-size and run directory cannot change"""
     torch_threads: int = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
@@ -1113,6 +1113,9 @@ FROZEN = {  # flags a resumed run cannot change, and why
     "lora_rank": "the checkpoint holds adapters of this rank (or the full model)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
+    "eval_size": "the first --eval-size questions are held out, the others trained on (--eval-only may evaluate fewer)",
+    "runs_dir": "a resumed run writes to the directory of its checkpoint",
+    "run_name": "a resumed run writes to the directory of its checkpoint",
 }
 HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests looking at
 
@@ -1132,6 +1135,7 @@ def validate(args: Args) -> None:
     if args.reward_model_path is not None:
         common.check_model_path(args.reward_model_path, "--reward-model-path")
     common.check_task_flags(args)
+    common.check_run_flags(args)
     validate_grpo(args)
     validate_extensions(args)
 
@@ -1183,9 +1187,7 @@ def validate_extensions(args: Args) -> None:
     check(not args.use_vllm or importlib.util.find_spec("vllm") is not None,
           "--use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)")
     check(not (args.use_vllm and args.fast_generation), "--fast-generation and --use-vllm are two ways to sample: pick one")
-    check(args.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)")
-    check(args.lora_alpha is None or args.lora_alpha > 0, "--lora-alpha must be > 0")
-    check(args.lora_dropout == 0, "--lora-dropout must be 0: dropout is off everywhere, so that log probs are not random")
+    common.check_lora_flags(args)
     check(not args.lora_rank or args.iterations == 1, "--lora-rank with --iterations > 1: the reference is the policy "
           "with its adapter disabled, which cannot be reset to the policy at each iteration; use full fine-tuning")
     check(not (args.lora_rank and args.use_vllm), "--lora-rank with --use-vllm is not supported: vLLM would need the "
@@ -1197,18 +1199,17 @@ def validate_extensions(args: Args) -> None:
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads: this script's, with the flags
-    that cannot change unchanged (``FROZEN``) and the same iteration length; None without --resume.
+    """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
+    this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train, no NaN or inf and
+    the same iteration length; None without --resume.
 
     Raises:
-        UsageError: a missing, unreadable or other script's checkpoint, or a flag that cannot change.
+        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, a run
+            that already reached --total-steps, or another iteration length.
     """
-    if not args.resume:
-        return None
-    checkpoint = common.load_checkpoint(args.resume, mmap=True)
-    saved = common.check_checkpoint_script(checkpoint, args.resume, Args, SCRIPT)
-    common.check_resume_compatible(saved, args, FROZEN)
-    check_iteration_length(checkpoint, args)
+    checkpoint = common.resume_checkpoint(args, Args, SCRIPT, FROZEN)
+    if checkpoint is not None:
+        check_iteration_length(checkpoint, args)
     return checkpoint
 
 

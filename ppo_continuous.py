@@ -343,16 +343,17 @@ def train(args: Args) -> dict:
     with the mean return of the last 10 episodes, to ``{run_dir}/summary.json``.
 
     Raises:
-        UsageError: an unwritable ``--runs-dir``, a bad ``--resume`` checkpoint, or an ``--env-id``
-            that cannot be made (all before any env is created); a non-finite loss or gradient norm (before
-            that update is applied) or weight (after the iteration's updates, before anything is saved).
+        UsageError: an unwritable ``--runs-dir`` (or a new run's directory holding a checkpoint), a bad
+            ``--resume`` checkpoint, or an ``--env-id`` that cannot be made (all before any env is created);
+            a non-finite loss or gradient norm (before that update is applied) or weight (after the
+            iteration's updates, before anything is saved).
     """
     ckpt = check_resume(args)  # before any env: --runs-dir writable, or the --resume checkpoint usable
+    run_dir = Path(args.resume).resolve().parent if ckpt is not None else new_run_dir(args)
     obs_dim, act_dim = check_env_id(args.env_id)
     check_rollout_memory(args, obs_dim, act_dim)
     if ckpt is not None:
         check_checkpoint_fits(ckpt, args.resume, "--resume", args.env_id, obs_dim, act_dim)
-    run_dir = Path(args.resume).resolve().parent if ckpt is not None else new_run_dir(args)
     ckpt_path = run_dir / "checkpoint.pt"
     video_dir = _video_dir(args.capture_video, args.env_id, run_dir / "videos")
 
@@ -834,8 +835,14 @@ def check_resume(args: Args) -> dict | None:
 
 
 def new_run_dir(args: Args) -> Path:
-    """``{runs_dir}/{env}__{exp_name}__{seed}__{unix time}`` (:func:`common.make_run_name`), for a run not resumed."""
-    return Path(args.runs_dir) / common.make_run_name(args.exp_name, args)
+    """``{runs_dir}/{env}__{exp_name}__{seed}__{unix time}`` (:func:`common.make_run_name`), for a run not resumed.
+
+    Raises:
+        UsageError: it holds a checkpoint (a run of the same env, name and seed started in the same second).
+    """
+    run_dir = Path(args.runs_dir) / common.make_run_name(args.exp_name, args)
+    common.check_new_run_dir(run_dir, "--exp-name")
+    return run_dir
 
 
 def load_checked_checkpoint(path: str, flag: str, keys: tuple[str, ...]) -> dict:

@@ -139,7 +139,8 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
     beta: float = 0.05
-    """initial KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model)"""
+    """KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with --adaptive-kl-target its
+    initial value (a resumed run continues the controller's saved beta)"""
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)"""
     gamma: float = 1.0
@@ -198,12 +199,12 @@ class Args:
     eval_batch_size: int = 64
     """questions per greedy generation batch during evaluation"""
     sample_every: int = 5
-    """print and log sample completions every N steps"""
+    """print and log sample completions every N steps (0 = never)"""
     save_every: int = 10
-    """write a checkpoint every N steps (and at the end)"""
+    """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
-    flags, same results); the model and the reward model cannot change"""
+    flags, same results); the model, the reward model, --eval-size and the run directory cannot change"""
     torch_threads: int = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
@@ -767,6 +768,9 @@ FROZEN = {  # flags a resumed run cannot change, and why
     "lora_rank": "the checkpoint holds adapters of this rank (or the full policy)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
+    "eval_size": "the first --eval-size questions are held out, the others trained on (--eval-only may evaluate fewer)",
+    "runs_dir": "a resumed run writes to the directory of its checkpoint",
+    "run_name": "a resumed run writes to the directory of its checkpoint",
 }
 HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests
 
@@ -786,11 +790,10 @@ def validate(args: Args) -> None:
     if args.reward_model_path is not None:
         common.check_model_path(args.reward_model_path, "--reward-model-path")
     common.check_task_flags(args)
+    common.check_run_flags(args)
     check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
     check(not args.eval_only or common.world_size() == 1, "--eval-only runs in one process, not under torchrun")
-    check(args.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)")
-    check(args.lora_alpha is None or args.lora_alpha > 0, "--lora-alpha must be > 0")
-    check(args.lora_dropout == 0, "--lora-dropout must be 0: dropout is off everywhere, so that log probs are not random")
+    common.check_lora_flags(args)
     validate_ppo(args)
 
 
@@ -835,25 +838,23 @@ def validate_ppo(args: Args) -> None:
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads: this script's, with the flags that
-    cannot change unchanged (``FROZEN``); None without --resume. A run saved with a flag this file no longer has
-    (--kl-estimator, --target-kl) is not this script's and cannot be resumed.
+    """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
+    this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train and no NaN or inf;
+    None without --resume. A run saved with a flag this file no longer has (--kl-estimator, --target-kl) cannot be
+    resumed.
 
     Raises:
-        UsageError: a missing, unreadable or other script's checkpoint, or a flag that cannot change.
+        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, or a
+            run that already reached --total-steps.
     """
-    if not args.resume:
-        return None
-    checkpoint = common.load_checkpoint(args.resume, mmap=True)
-    saved = common.check_checkpoint_script(checkpoint, args.resume, Args, SCRIPT)
-    common.check_resume_compatible(saved, args, FROZEN)
-    return checkpoint
+    return common.resume_checkpoint(args, Args, SCRIPT, FROZEN)
 
 
 def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, reference) -> tuple[int, float]:
     """Load a checkpoint's weights and optimizer state; returns the step it was written at and the KL coefficient
-    of the next step. The flags given now set the optimizer's hyperparameters (--learning-rate,
-    --value-learning-rate, --adam-eps, --weight-decay take effect on resume).
+    of the next step: with --adaptive-kl-target the controller's saved value, else --beta (given again, it takes
+    effect). The flags given now set the optimizer's hyperparameters (--learning-rate, --value-learning-rate,
+    --adam-eps, --weight-decay take effect on resume).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
@@ -869,7 +870,7 @@ def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, refere
                          f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})") from None
     for group, lr in zip(optimizer.param_groups, (args.learning_rate, args.value_learning_rate or args.learning_rate)):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    return checkpoint["step"], checkpoint["kl_coef"]
+    return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target is not None else args.beta
 
 
 def new_totals() -> dict:

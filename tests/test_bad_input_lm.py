@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
         module.cli([*BASE[script], "--model-name-or-path", str(model), "--runs-dir", str(root / "runs"),
                     "--run-name", script, "--total-steps", "2", "--save-every", "1", "--format-reward", "1",
                     "--learning-rate", "0.01"])  # rewards that differ: the policy moves away from its reference
+        healthy = common.load_checkpoint(root / "runs" / script / "checkpoint.pt")
+        common.atomic_save({**healthy, "args": {**healthy["args"], "kl_estimator": "k3"}}, root / f"{script}_removed_flag.pt")
+        common.atomic_save({**healthy, "args": {**healthy["args"], "learning_rate": "1e-5"}}, root / f"{script}_wrong_type.pt")
+        key = next(k for k in healthy["policy"] if k.endswith("q_proj.weight"))
+        torch.save({**healthy, "policy": {**healthy["policy"], key: torch.full_like(healthy["policy"][key], float("nan"))}},
+                   root / f"{script}_nan.pt")  # what a diverged run saved before checkpoints refused non-finite values
     (root / "junk.pt").write_bytes(b"not a checkpoint")
     (root / "a_file").write_text("x")
     (root / "binary.jsonl").write_bytes(bytes(range(256)) * 4)
@@ -53,7 +60,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "short.jsonl").write_text("\n".join(lines[:3]) + "\n")
     (root / "rewards.py").write_text("def ok(completion, example):\n    return 1.0\n\n\ndef raises(completion, example):\n"
                                      "    raise KeyError('score')\n\n\ndef text(completion, example):\n    return 'high'\n\n\n"
-                                     "def nan(completion, example):\n    return float('nan')\n\n\nnot_callable = 3\n\n\n"
+                                     "def nan(completion, example):\n    return float('nan')\n\n\ndef huge(completion, example):\n"
+                                     "    return 1e39\n\n\nnot_callable = 3\n\n\n"
                                      "def task(completion, example):\n    return 0.5\n")
     (root / "syntax.py").write_text("def f(completion, example)\n    return 1\n")
     (root / "eval_big.jsonl").write_text("\n".join(lines) + "\n")
@@ -116,7 +124,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--lora-rank", "-1"], "--lora-rank must be >= 0", CHEAP),
     (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0", CHEAP),
     (["--lora-rank", "4", "--lora-dropout", "0.05"], "--lora-dropout must be 0", CHEAP),
-    (["--lora-rank", "4", "--lora-target-modules", "no_such_proj"], "--lora-target-modules no_such_proj:", MODEL),
+    (["--lora-rank", "4", "--lora-target-modules", "no_such_proj"], "--lora-target-modules: 'no_such_proj' matches no", MODEL),
     (["--resume", "{ckpt}", "--lora-rank", "4"], "--lora-rank: cannot change when resuming", CHEAP),
     (["--eval-only", "--eval-size", "0"], "--eval-only needs --eval-size > 0", CHEAP),
     (["--reward-fn", "{root}/missing.py:f"], "--reward-fn {root}/missing.py:f: file", CHEAP),
@@ -147,6 +155,29 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-model-path", "{root}/no_rm"], "--reward-model-path: model directory", CHEAP),
     (["--beta", "1e38", "--format-reward", "1", "--learning-rate", "0.01", "--total-steps", "3"], "non-finite", RUN),
     (["--track"], "--track: wandb has no API key", CHEAP),  # with no WANDB_* variable, netrc or wandb settings
+    (["--resume", "{ckpt}"], "--total-steps: this run already reached step 2; pass more than 2", CHEAP),
+    (["--resume", "{ckpt}", "--total-steps", "2"], "--total-steps: this run already reached step 2", CHEAP),
+    (["--resume", "{root}/{script}_removed_flag.pt", "--total-steps", "4"],
+     "_removed_flag.pt holds flags that this script no longer has (--kl-estimator)", CHEAP),
+    (["--resume", "{root}/{script}_wrong_type.pt", "--total-steps", "4"],
+     "_wrong_type.pt holds --learning-rate '1e-5', which is not a float", CHEAP),
+    (["--resume", ""], "--resume: expected a checkpoint file, not an empty path", CHEAP),
+    (["--save-every", "-1"], "--save-every must be >= 0", CHEAP),
+    (["--eval-every", "-3"], "--eval-every must be >= 0", CHEAP),
+    (["--sample-every", "-1"], "--sample-every must be >= 0", CHEAP),
+    (["--resume", "{ckpt}", "--total-steps", "4", "--runs-dir", "{root}/elsewhere"],
+     "--runs-dir: cannot change when resuming", CHEAP),
+    (["--resume", "{ckpt}", "--total-steps", "4", "--run-name", "zzz"], "--run-name: cannot change when resuming", CHEAP),
+    (["--runs-dir", "{root}/runs", "--run-name", "{script}"],
+     "{root}/runs/{script} holds a checkpoint: resume it with --resume {root}/runs/{script}/checkpoint.pt", CHEAP),
+    (["--reward-fn", "{root}/rewards.py:huge"], "rewards.py:huge returned 1e+39", RUN),
+    (["--resume", "{root}/{script}_nan.pt", "--total-steps", "4"], "_nan.pt holds non-finite values in policy.", CHEAP),
+    (["--resume", "{root}/{script}_nan.pt", "--eval-only"], "_nan.pt holds non-finite values in policy.", CHEAP),
+    (["--lora-rank", "4", "--lora-target-modules", "q_proj", "nonsense"],
+     "--lora-target-modules: 'nonsense' matches no module", MODEL),
+    (["--lora-rank", "4", "--lora-target-modules", "all-linear", "q_proj"], "--lora-target-modules: 'all-linear'", CHEAP),
+    (["--resume", "{ckpt}", "--total-steps", "4", "--eval-size", "3"], "--eval-size: cannot change when resuming", CHEAP),
+    (["--resume", "{ckpt}", "--eval-only", "--eval-size", "3"], "--eval-size 3: this run held out 2", CHEAP),
 ]
 
 GRPO = [
@@ -197,7 +228,7 @@ def _argv(script: str, argv: list[str], files: dict[str, Path]) -> list[str]:
     root = files["root"]
     other = "ppo" if script == "grpo" else "grpo"
     subs = {"{root}": str(root), "{model}": str(files["model"]), "{ckpt}": str(root / "runs" / script / "checkpoint.pt"),
-            "{other}": str(root / "runs" / other / "checkpoint.pt")}
+            "{other}": str(root / "runs" / other / "checkpoint.pt"), "{script}": script}
     out = []
     for a in argv:
         for key, value in subs.items():
@@ -217,7 +248,7 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, me
     if "--track" in argv:
         request.getfixturevalue("no_wandb_login")  # no credentials, nothing read from the user's home
     module = grpo_lm if script == "grpo" else ppo_lm
-    message = message.replace("{root}", str(files["root"]))
+    message = message.replace("{root}", str(files["root"])).replace("{script}", script)
     ckpt = files["root"] / "runs" / script / "checkpoint.pt"
     before = ckpt.read_bytes()
 
@@ -229,6 +260,7 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, me
     if stage in (CHEAP, TOKENIZER):
         for name in ("load_model", "load_reward_model"):
             monkeypatch.setattr(common, name, too_early)
+    monkeypatch.chdir(files["root"])  # a run that wrongly starts writes under the test's directory
     capsys.readouterr()
     try:
         with pytest.raises(SystemExit) as exit_info:
@@ -236,6 +268,7 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, me
     finally:
         changed = ckpt.read_bytes() != before
         ckpt.write_bytes(before)  # a failing case must not change what the next one resumes from
+        shutil.rmtree(files["root"] / "runs_new", ignore_errors=True)  # nor leave a run the next one would refuse
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert exit_info.value.code == 2, err[-2000:]

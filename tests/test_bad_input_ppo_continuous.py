@@ -39,6 +39,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "a_file").write_text("x")
     common.atomic_save({**healthy, "script": "grpo_lm.py"}, root / "other_script.pt")
     common.atomic_save({"policy": {}, "step": 3, "args": {"model_name_or_path": "m", "group_size": 4}}, root / "legacy_lm.pt")
+    common.atomic_save({**healthy, "args": {**healthy["args"], "old_flag": 1}}, root / "removed_flag.pt")
+    common.atomic_save({**healthy, "args": {**healthy["args"], "gamma": "0.99"}}, root / "wrong_type.pt")
     common.atomic_save({key: value for key, value in healthy.items() if key != "norm"}, root / "no_norm.pt")
     nan_agent = {**healthy["agent"], "actor_logstd": torch.full_like(healthy["agent"]["actor_logstd"], float("nan"))}
     torch.save({**healthy, "agent": nan_agent}, root / "nan.pt")  # what a diverged run saved before they were refused
@@ -123,6 +125,13 @@ CASES = [
     (["--eval-checkpoint", "{root}/junk.pt"], "--eval-checkpoint: cannot read checkpoint", CHEAP),
     (["--eval-checkpoint", "{root}/other_script.pt"], "--eval-checkpoint: {root}/other_script.pt was written by", CHEAP),
     (["--eval-checkpoint", "{root}/legacy_lm.pt"], "--eval-checkpoint: {root}/legacy_lm.pt is not a", CHEAP),
+    (["--resume", "{root}/removed_flag.pt", "--total-timesteps", "512"],
+     "--resume: {root}/removed_flag.pt holds flags that this script no longer has (--old-flag)", CHEAP),
+    (["--eval-checkpoint", "{root}/removed_flag.pt"],
+     "--eval-checkpoint: {root}/removed_flag.pt holds flags that this script no longer has (--old-flag)", CHEAP),
+    (["--resume", "{root}/wrong_type.pt", "--total-timesteps", "512"],
+     "--resume: {root}/wrong_type.pt holds --gamma '0.99', which is not a float", CHEAP),
+    (["--eval-checkpoint", "{root}/wrong_type.pt"], "{root}/wrong_type.pt holds --gamma '0.99', which is not a float", CHEAP),
     (["--env-id", "NoSuchEnv-v9"], "--env-id: cannot make 'NoSuchEnv-v9'", ENV),
     (["--env-id", "CartPole-v1"], "--env-id: CartPole-v1 has a Discrete action space", ENV),
     (["--resume", "{root}/wrong_networks.pt", "--total-timesteps", "512"],
@@ -157,6 +166,18 @@ def test_bad_input_is_one_line_and_keeps_the_checkpoint(argv, expected, stage, f
     assert "Traceback" not in err
     assert files["ckpt"].read_bytes() == files["bytes"]
     assert not list(files["ckpt"].parent.glob(".checkpoint.pt.*"))
+
+
+def test_a_new_run_does_not_overwrite_a_run_directory_with_a_checkpoint(files, capsys, monkeypatch):
+    # two runs of the same env and seed started in the same second get the same default name
+    run = files["ckpt"].parent
+    monkeypatch.setattr(common, "make_run_name", lambda *_: run.name)
+    monkeypatch.setattr(pc, "make_envs", _forbid)
+    with pytest.raises(SystemExit) as exit_:
+        pc.cli([*SMALL, "--seed", "2", "--runs-dir", str(run.parent)])
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        f"error: {run} holds a checkpoint: resume it with --resume {run}/checkpoint.pt, or pick another --exp-name\n")
+    assert files["ckpt"].read_bytes() == files["bytes"]
 
 
 def test_resume_into_an_unwritable_run_directory_is_one_line(files, capsys, tmp_path):

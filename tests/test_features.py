@@ -65,7 +65,8 @@ def test_own_jsonl_data_with_other_field_names(tiny_model_dir, tmp_path, reward_
                                answer_field="a", reward_fn=[f"{reward_file}:answer_length"]))
     assert 2 <= h["reward/mean"][0] <= 3 and "eval/accuracy" in h  # "no" and "yes"; text answers checked as text
     with pytest.raises(common.UsageError, match=r"data.jsonl:1: answer 'no' is not a number"):  # the built-in reward
-        grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, dataset=str(data), prompt_field="q", answer_field="a"))
+        grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, dataset=str(data), prompt_field="q", answer_field="a",
+                               run_name="builtin"))  # a run of its own: "run" holds the first one's checkpoint
 
 
 def test_countdown_runs(tiny_model_dir, tmp_path):

@@ -498,7 +498,8 @@ def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
     assert state["step"] == 3
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2), task=digit_task())  # the step-2 checkpoint
     (tmp_path / "b" / "run" / "checkpoint.pt").replace(ckpt)
-    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, resume=str(ckpt)), task=digit_task())
+    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=3, resume=str(ckpt)),
+                           task=digit_task())  # the flags the checkpoint holds (--runs-dir b); it writes beside ckpt
     events = EventAccumulator(str(tmp_path / "run"))
     events.Reload()
     steps = [e.step for e in events.Scalars("reward/mean")]

@@ -310,6 +310,22 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     assert abs(full["loss/policy"][3]) > 0 and full["kl/beta"][3] != 0.05  # a real loss, a moved beta
 
 
+def test_a_beta_given_again_on_resume_takes_effect(tiny_model_dir, tmp_path):
+    # a fixed beta is the flag's: --resume with --beta 0.5 trains with 0.5, not the saved 0.05; with
+    # --adaptive-kl-target the controller's saved value continues (the flag set only the run's first beta)
+    kw = dict(total_steps=1, prompts_per_step=4, micro_batch_size=4, num_minibatches=1, max_new_tokens=4, eval_size=0)
+    betas = {}
+    for name, extra in (("fixed", {}), ("adaptive", dict(adaptive_kl_target=0.01, adaptive_kl_horizon=8))):
+        ppo_lm.main(tiny_args(tiny_model_dir, tmp_path, run_name=name, **kw, **extra), task=digit_task())
+        ckpt = tmp_path / name / "checkpoint.pt"
+        saved = common.load_checkpoint(ckpt)["kl_coef"]
+        args = common.parse_args(ppo_lm.Args, ["--resume", str(ckpt), "--total-steps", "2", "--beta", "0.5"], ppo_lm.SCRIPT)
+        betas[name] = (saved, ppo_lm.main(args, task=digit_task())["kl/beta"])
+    assert betas["fixed"] == (0.05, [0.5])
+    saved, resumed = betas["adaptive"]
+    assert saved != 0.05 and resumed == [saved]  # the controller moved beta in step 1, and step 2 goes on from there
+
+
 def test_cli_two_steps_with_reward_model_writes_events_checkpoint_and_model(tiny_model_dir, tiny_reward_model_dir, tmp_path):
     cmd = [sys.executable, str(ROOT / "ppo_lm.py"), "--model-name-or-path", str(tiny_model_dir), "--reward-model-path",
            str(tiny_reward_model_dir), "--total-steps", "2", "--prompts-per-step", "4", "--num-minibatches", "2",
