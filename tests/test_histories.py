@@ -38,7 +38,7 @@ GRPO = {  # flags on top of the tiny run below; every grpo_lm feature appears in
     "gradient_checkpointing": dict(gradient_checkpointing=True),
     "fast_generation_tis": dict(fast_generation=True, tis_cap=2.0),
     "top_p_per_call": dict(top_p=0.9, generation_groups_per_call=1),
-    "frozen_reward_model": dict(reward_model_path="{rm}", format_reward=0.5),
+    "frozen_reward_model": dict(reward_model_path="{rm}"),  # format_reward=0.5 was recorded here: never paid, now refused
 }
 PPO = {
     "default": {},
