@@ -802,7 +802,8 @@ def save_pretrained(model, tokenizer, out_dir: str | os.PathLike, source: str) -
     The model keeps the generation config of the checkpoint it started from (``source``, a name or path as
     ``--model-name-or-path`` takes), not the neutral one :func:`load_model` gives it for training. A peft model
     (LoRA) is saved merged, loadable without peft; the merge happens in place, so call this last. Written to a
-    temporary directory first and then renamed, so a crash never leaves a half-written model.
+    temporary directory first and then renamed, so a crash never leaves a half-written model; the temporary
+    directories a killed save left behind are removed by the next save.
 
     Raises:
         UsageError: a parameter is not finite (nothing is written), or the directory cannot be written.
@@ -821,6 +822,9 @@ def save_pretrained(model, tokenizer, out_dir: str | os.PathLike, source: str) -
     except Exception:  # noqa: BLE001 - a source without a generation config keeps the neutral one
         pass
     try:
+        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # left by a save that was killed between its renames
+            if stale.is_dir() and re.fullmatch(rf"\.{re.escape(out_dir.name)}\.(old\.)?[\w]{{8}}", stale.name):
+                shutil.rmtree(stale)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
