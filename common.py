@@ -206,10 +206,11 @@ def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool 
 
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
-        raise UsageError(f"{flag}: cannot read checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from None
+        raise UsageError(f"{flag}: cannot read checkpoint {path}: {type(e).__name__}: {first_line(e)}") from None
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message ('' when it has none), for one-line errors."""
     return (str(err).strip().splitlines() or [""])[0]
 
 
@@ -235,14 +236,14 @@ def check_checkpoint_script(ckpt: Any, path: str | os.PathLike, args_cls: type, 
     check(isinstance(saved, dict) and saved, f"{flag}: {path} holds no saved flags; it is not {what}")
     writer = ckpt.get("script")
     unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(args_cls)})
-    shown = ", ".join(_flag(k) for k in unknown[:3]) + (", ..." if len(unknown) > 3 else "")
+    shown = ", ".join(flag_name(k) for k in unknown[:3]) + (", ..." if len(unknown) > 3 else "")
     if script is not None and writer is not None:
         check(writer == script, f"{flag}: {path} was written by {writer}, not {script}")
         check(not unknown, f"{flag}: {path} holds flags that this script no longer has ({shown}); start a new run")
     check(not unknown, f"{flag}: {path} is not {what} (its flags {shown} are not this script's)")
     for name, hint in typing.get_type_hints(args_cls).items():
         if name in saved and not _fits(saved[name], hint):
-            raise UsageError(f"{flag}: {path} holds {_flag(name)} {saved[name]!r}, which is not a "
+            raise UsageError(f"{flag}: {path} holds {flag_name(name)} {saved[name]!r}, which is not a "
                              f"{getattr(hint, '__name__', hint)}; start a new run")
     return saved
 
@@ -279,7 +280,7 @@ def check_resume_compatible(saved: dict, args: Any, frozen: dict[str, str]) -> N
     """
     for name, why in frozen.items():
         if name in saved and saved[name] != getattr(args, name):
-            raise UsageError(f"{_flag(name)}: cannot change when resuming (this run was started with "
+            raise UsageError(f"{flag_name(name)}: cannot change when resuming (this run was started with "
                              f"{saved[name]!r}); {why}")
 
 
@@ -422,7 +423,7 @@ def _tyro_error_line(box: str) -> str:
     return message or "cannot parse the command line (see --help)"
 
 
-def _flag(name: str) -> str:
+def flag_name(name: str) -> str:
     """The command-line flag of a dataclass field: ``learning_rate`` -> ``--learning-rate`` (tyro's spelling)."""
     return "--" + name.replace("_", "-")
 
@@ -484,7 +485,7 @@ def check_finite_floats(args: Any) -> None:
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
         if isinstance(value, float) and not np.isfinite(value):
-            raise UsageError(f"{_flag(field.name)}: must be a finite number, got {value}")
+            raise UsageError(f"{flag_name(field.name)}: must be a finite number, got {value}")
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
@@ -730,7 +731,7 @@ def _from_pretrained(path: str, kind: str, dtype: torch.dtype, flag: str, name_o
             return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
         return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype, output_loading_info=True)
     except Exception as e:  # noqa: BLE001
-        raise UsageError(f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {_first_line(e)}") from None
+        raise UsageError(f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {first_line(e)}") from None
 
 
 def load_model(name_or_path: str, kind: str = "causal-lm", device: str | torch.device = "cpu",
@@ -1977,7 +1978,7 @@ def check_run_flags(args: Any) -> None:
     """
     for flag, zero in (("eval_every", "only at the start and the end"), ("sample_every", "never"),
                        ("save_every", "only at the end")):
-        check(getattr(args, flag) >= 0, f"{_flag(flag)} must be >= 0 (a number of steps; 0 = {zero})")
+        check(getattr(args, flag) >= 0, f"{flag_name(flag)} must be >= 0 (a number of steps; 0 = {zero})")
 
 
 def make_run_dir(args: Any) -> Path:
@@ -2096,7 +2097,7 @@ def add_lora(model, args: Any):
     try:
         return get_peft_model(model, config)
     except ValueError as e:
-        raise UsageError(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {str(e).splitlines()[0][:200]}") from None
+        raise UsageError(f"--lora-target-modules {' '.join(args.lora_target_modules)}: {first_line(e)[:200]}") from None
 
 
 def _untie_lm_head(model) -> None:

@@ -1229,7 +1229,7 @@ def restore(checkpoint: dict, args: Args, policy, optimizer, reference, rm_train
             rm_training.load(checkpoint)
     except (RuntimeError, ValueError, KeyError) as e:
         raise UsageError(f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})") from None
+                         f"({type(e).__name__}: {common.first_line(e)[:200]})") from None
     for group in optimizer.param_groups:
         group.update(lr=args.learning_rate, weight_decay=args.weight_decay)
     return checkpoint["step"]

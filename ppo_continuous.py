@@ -544,11 +544,6 @@ class FastRunningMeanStd(RunningMeanStd):
             super().update(x)
 
 
-def _first_line(err: BaseException) -> str:
-    """The first line of an exception's message ('' when it has none), for one-line errors."""
-    return (str(err).strip().splitlines() or [""])[0]
-
-
 def check_env_id(env_id: str) -> tuple[int, int]:
     """Make ``env_id`` once to check it; returns ``(obs_dim, act_dim)``.
 
@@ -559,9 +554,9 @@ def check_env_id(env_id: str) -> tuple[int, int]:
     try:
         env = gym.make(env_id)
     except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
-        msg = _first_line(e) or type(e).__name__
+        msg = common.first_line(e) or type(e).__name__
         cause = e.__cause__  # gymnasium re-raises a failed MuJoCo import as "MuJoCo is not installed": keep the cause
-        why = f" ({type(cause).__name__}: {_first_line(cause) or type(cause).__name__})" if cause is not None else ""
+        why = f" ({type(cause).__name__}: {common.first_line(cause) or type(cause).__name__})" if cause is not None else ""
         raise UsageError(f"--env-id: cannot make {env_id!r}: {msg}{why}") from None
     obs_space, act_space = env.observation_space, env.action_space
     env.close()
@@ -752,20 +747,20 @@ def validate_args(args: Args) -> Args:
     common.check_finite_floats(args)
     for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs", "eval_episodes"):
         value = getattr(args, name)
-        common.check(value >= 1, f"--{name.replace('_', '-')}: must be a positive integer, got {value}")
+        common.check(value >= 1, f"{common.flag_name(name)}: must be a positive integer, got {value}")
     common.check(args.save_every >= 0, f"--save-every: must be >= 0 (0 saves only at the end), got {args.save_every}")
     cpus = os.cpu_count() or 1
     common.check(0 <= args.num_threads <= cpus, f"--num-threads: must be in [0, {cpus}] (0 keeps torch's default; "
                  f"this machine has {cpus} CPUs), got {args.num_threads}")
     for name in ("learning_rate", "clip_coef", "max_grad_norm", "obs_clip", "reward_clip"):
         value = getattr(args, name)
-        common.check(value > 0, f"--{name.replace('_', '-')}: must be positive, got {value}")
+        common.check(value > 0, f"{common.flag_name(name)}: must be positive, got {value}")
     for name in ("vf_coef", "ent_coef"):
         value = getattr(args, name)
-        common.check(value >= 0, f"--{name.replace('_', '-')}: must be >= 0, got {value}")
+        common.check(value >= 0, f"{common.flag_name(name)}: must be >= 0, got {value}")
     for name in ("gamma", "gae_lambda"):
         value = getattr(args, name)
-        common.check(0.0 <= value <= 1.0, f"--{name.replace('_', '-')}: must be in [0, 1], got {value}")
+        common.check(0.0 <= value <= 1.0, f"{common.flag_name(name)}: must be in [0, 1], got {value}")
     common.check(args.target_kl is None or args.target_kl > 0,
                  f"--target-kl: must be positive (leave it out for no early stopping), got {args.target_kl}")
     common.check(args.exp_name != "" and not any(c in args.exp_name for c in "/\\\0"),
@@ -934,7 +929,7 @@ def _check_video(flag: str, env_id: str) -> None:
         frame = env.render()
         env.close()
     except Exception as e:  # noqa: BLE001 - GL and renderer errors have no common base class
-        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {_first_line(e)[:120]}); "
+        raise UsageError(f"{flag}: cannot render {env_id} ({type(e).__name__}: {common.first_line(e)[:120]}); "
                          f"on a machine without a display try MUJOCO_GL=egl or MUJOCO_GL=osmesa") from None
     common.check(isinstance(frame, np.ndarray) and frame.ndim == 3, f"{flag}: {env_id} rendered no RGB frame")
 

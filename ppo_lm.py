@@ -867,7 +867,7 @@ def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, refere
             reference.load_state_dict(checkpoint["reference"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise UsageError(f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                         f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})") from None
+                         f"({type(e).__name__}: {common.first_line(e)[:200]})") from None
     for group, lr in zip(optimizer.param_groups, (args.learning_rate, args.value_learning_rate or args.learning_rate)):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target is not None else args.beta
