@@ -1391,7 +1391,6 @@ def make_task(args: Any) -> Task:
     if args.answer_format == "think":
         task = with_think_answer_format(task, args.format_reward)
     if specs:
-        _reward_weights(args.reward_weights or None, len(specs))
         files = load_reward_fns([s for s in specs if s != "task"])
         task.reward_fns = [("task", task.reward_fn) if s == "task" else files.pop(0) for s in specs]
         task.reward_weights = list(args.reward_weights) or None
@@ -1410,6 +1409,7 @@ def check_task_flags(args: Any) -> None:
     check(args.answer_format in ("plain", "think"), f"--answer-format must be 'plain' or 'think', not {args.answer_format!r}")
     check(not args.reward_weights or len(args.reward_weights) == len(args.reward_fn), f"--reward-weights: "
           f"{len(args.reward_weights)} weights for {len(args.reward_fn)} --reward-fn functions; give one each (or none)")
+    _reward_weights(list(args.reward_weights) or None, len(args.reward_fn))  # finite
     specs = list(args.reward_fn)
     check(not specs or "task" in specs or args.format_reward == 0, "--format-reward: is paid by the task's own reward, "
           "which --reward-fn replaces; add `--reward-fn task` to keep it (or score the format in your own function)")
