@@ -1454,6 +1454,14 @@ def check_split(task: Task, prompts_per_step: int, eval_size: int, dataset: str 
           f"{len(task.train)} for training, fewer than --prompts-per-step {prompts_per_step}")
 
 
+def prompt_ids(tokenizer, questions: list[str], system_prompt: str | None = None,
+               response_prefix: str = "") -> list[list[int]]:
+    """The token ids of each question's prompt (:func:`build_prompt`: chat template, system prompt, response prefix),
+    one list per question, no special tokens added (the template has them)."""
+    prompts = [build_prompt(tokenizer, question, system_prompt, response_prefix) for question in questions]
+    return tokenizer(prompts, add_special_tokens=False)["input_ids"]
+
+
 def prompts_that_fit(task: Task, tokenizer, max_prompt_length: int, prompts_per_step: int,
                      system_prompt: str | None = None, response_prefix: str = "") -> list[dict]:
     """The training questions whose prompts (:func:`build_prompt`) have at most ``max_prompt_length`` tokens.
@@ -1461,8 +1469,8 @@ def prompts_that_fit(task: Task, tokenizer, max_prompt_length: int, prompts_per_
     Raises:
         UsageError: fewer than ``prompts_per_step`` of them (naming --max-prompt-length).
     """
-    prompts = [build_prompt(tokenizer, ex["question"], system_prompt, response_prefix) for ex in task.train]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    lengths = [len(ids) for ids in prompt_ids(tokenizer, [ex["question"] for ex in task.train], system_prompt,
+                                              response_prefix)]
     train = [ex for ex, n in zip(task.train, lengths) if n <= max_prompt_length]
     check(len(train) >= prompts_per_step, f"--max-prompt-length {max_prompt_length}: only {len(train)} "
           f"training prompts fit, fewer than --prompts-per-step {prompts_per_step}")

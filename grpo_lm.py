@@ -612,8 +612,7 @@ def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: 
     picks = np.random.default_rng([args.seed, step] + ([round_] if round_ else [])).choice(
         len(sampling.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
     examples = [sampling.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-    prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"], *common.prompt_style(args)), add_special_tokens=False)
-               ["input_ids"] for ex in examples[::G]]  # one token list per group
+    prompts = common.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *common.prompt_style(args))  # a group each
     if sampling.llm is not None:  # --use-vllm
         seeds = [common.sampling_seed(args.seed, step, round_, first_group + g) for g in range(len(prompts))]
         rows, row_logps = vllm_generate(sampling.llm, prompts, seeds, tokenizer.eos_token_id, args)

@@ -629,8 +629,7 @@ def rollout(sampling: Sampling, policy, args: Args, device, step: int) -> dict:
     picks = np.random.default_rng([args.seed, step]).choice(len(sampling.questions), args.prompts_per_step,
                                                             replace=False)[first: first + N]
     examples = [sampling.questions[i] for i in picks]
-    prompts = [tokenizer(common.build_prompt(tokenizer, ex["question"], *common.prompt_style(args)),
-                         add_special_tokens=False)["input_ids"] for ex in examples]
+    prompts = common.prompt_ids(tokenizer, [ex["question"] for ex in examples], *common.prompt_style(args))
     rows, row_logps = common.generate_completions(
         sampling.sampler, prompts, 1, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step), first=first,
