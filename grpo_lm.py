@@ -1308,7 +1308,8 @@ def step_metrics(args: Args, batch: dict, all_rewards: torch.Tensor, totals: dic
 
 def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, optimizer, reference, rm_training) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue exactly (the
-    reference, reset per iteration, and the reward model with its samples included; the iteration index
+    reference when --iterations > 1 resets it, else it is --model-name-or-path's, loaded again on resume; the
+    reward model with its samples included; the iteration index
     ``step // steps_per_iteration`` is stored for readers)."""
     if not (log.is_main and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)):
         return
@@ -1317,7 +1318,8 @@ def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, optimizer
         {"reward_model": None, "rm_optimizer": None, "rm_new": [], "rm_replay": []}
     common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "optimizer": optimizer.state_dict(),
                         "step": step, "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
-                        "reference": reference.state_dict() if isinstance(reference, torch.nn.Module) else None,
+                        "reference": reference.state_dict() if isinstance(reference, torch.nn.Module) and args.iterations > 1
+                        else None,
                         "iteration": step // steps_per_iteration, "steps_per_iteration": steps_per_iteration,
                         **rm_state}, log.checkpoint)
 

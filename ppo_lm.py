@@ -514,7 +514,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                                   eps=args.adam_eps, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # one kernel for the whole AdamW update on CUDA (same math)
     policy_params, value_params = optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"]
-    start_step, beta = restore(checkpoint, args, policy, value_model, optimizer, reference) if checkpoint else (0, args.beta)
+    start_step, beta = restore(checkpoint, args, policy, value_model, optimizer) if checkpoint else (0, args.beta)
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", {
         "reward": "reward/mean", "kl": "loss/kl", "vloss": "loss/value", "len": "completion/length_mean"})
     sampling = make_sampling(policy, tokenizer, questions, args, rank, world, device)  # --fast-generation: a bf16 copy
@@ -593,7 +593,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
                                    device, (t0, gen_time, t2)))
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
-        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta, reference)  # every --save-every, end
+        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)  # every --save-every and at the end
     log.close()
     if rank == 0 and args.total_steps > start_step:
         common.save_pretrained(policy, tokenizer, run_dir / "final_model", args.model_name_or_path)
@@ -849,7 +849,7 @@ def resume_checkpoint(args: Args) -> dict | None:
     return common.resume_checkpoint(args, Args, SCRIPT, FROZEN)
 
 
-def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, reference) -> tuple[int, float]:
+def restore(checkpoint: dict, args: Args, policy, value_model, optimizer) -> tuple[int, float]:
     """Load a checkpoint's weights and optimizer state; returns the step it was written at and the KL coefficient
     of the next step: with --adaptive-kl-target the controller's saved value, else --beta (given again, it takes
     effect). The flags given now set the optimizer's hyperparameters (--learning-rate, --value-learning-rate,
@@ -862,8 +862,6 @@ def restore(checkpoint: dict, args: Args, policy, value_model, optimizer, refere
         common.load_trained_weights(policy, checkpoint["policy"])
         value_model.load_state_dict(checkpoint["value_model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        if isinstance(reference, torch.nn.Module) and checkpoint.get("reference") is not None:
-            reference.load_state_dict(checkpoint["reference"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise UsageError(f"--resume: {args.resume} does not fit {args.model_name_or_path} "
                          f"({type(e).__name__}: {common.first_line(e)[:200]})") from None
@@ -946,17 +944,15 @@ def sampler_mismatch(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: t
             "sampling/logp_diff_max": common.all_reduce(diff.max(), "max").item()}
 
 
-def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float,
-                    reference) -> None:
+def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue exactly (the
-    next step's KL coefficient included)."""
+    next step's KL coefficient included; not the reference, which never changes: resume loads it from
+    --model-name-or-path, which cannot change)."""
     if not (log.is_main and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)):
         return
     common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "value_model": value_model.state_dict(),
                         "optimizer": optimizer.state_dict(), "step": step, "kl_coef": beta,
-                        "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
-                        "reference": reference.state_dict() if isinstance(reference, torch.nn.Module) else None},
-                       log.checkpoint)
+                        "args": dataclasses.asdict(args), "rng": common.get_rng_state()}, log.checkpoint)
 
 
 def sample_lines(batch: dict) -> list[str]:

@@ -248,6 +248,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     for key in ("loss/policy", "reward/mean", "loss/kl", "optim/grad_norm"):
         assert resumed[key] == pytest.approx(full[key][2:], rel=1e-5, abs=1e-7), key
     assert abs(full["loss/policy"][3]) > 0  # a real, non-trivial loss was compared
+    assert common.load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt")["reference"] is None  # one iteration: unchanged
 
 
 def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_path):

@@ -277,6 +277,7 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
     assert len(full["reward_model/heldout_accuracy"]) == 2 and "reward/verifiable_mean" in full
     ckpt = common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")
     assert ckpt["iteration"] == 2 and len(ckpt["rm_replay"]) == 96 and ckpt["rm_new"] == []
+    assert ckpt["reference"] is not None  # --iterations 2 resets it: resume needs it
     assert [g["weight_decay"] for g in ckpt["rm_optimizer"]["param_groups"]] == [0.0]  # --weight-decay, as the policy's
     initial = common.load_model(str(tiny_model_dir), kind="reward")
     assert not torch.equal(ckpt["reward_model"]["score.weight"], initial.state_dict()["score.weight"])

@@ -308,6 +308,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     for key in ("loss/policy", "loss/value", "reward/mean", "loss/kl", "kl/beta", "optim/grad_norm", "optim/value_grad_norm"):
         assert resumed[key] == pytest.approx(full[key][2:], rel=1e-5, abs=1e-7), key
     assert abs(full["loss/policy"][3]) > 0 and full["kl/beta"][3] != 0.05  # a real loss, a moved beta
+    assert "reference" not in common.load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt")  # it never changes
 
 
 def test_a_beta_given_again_on_resume_takes_effect(tiny_model_dir, tmp_path):
