@@ -1406,6 +1406,8 @@ def check_task_flags(args: Any) -> None:
     Raises:
         UsageError: one line naming the flag.
     """
+    check(args.task in ("addition", "multistep", "countdown") or args.dataset is not None,
+          f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep', 'countdown' (or use --dataset)")
     check(args.answer_format in ("plain", "think"), f"--answer-format must be 'plain' or 'think', not {args.answer_format!r}")
     check(not args.reward_weights or len(args.reward_weights) == len(args.reward_fn), f"--reward-weights: "
           f"{len(args.reward_weights)} weights for {len(args.reward_fn)} --reward-fn functions; give one each (or none)")
@@ -1974,15 +1976,47 @@ def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, 
     return checkpoint
 
 
-def check_run_flags(args: Any) -> None:
-    """The LM scripts' --eval-every, --sample-every and --save-every: a number of steps, 0 with its documented meaning.
+def check_lm_flags(args: Any) -> None:
+    """The flags both LM scripts share, checked word for word alike before anything loads: seed, finite floats,
+    --track, --device, model paths, the task flags (:func:`check_task_flags`), the run's (:func:`check_run_flags`),
+    LoRA's (:func:`check_lora_flags`), and sampling and optimizer ranges.
 
     Raises:
-        UsageError: a negative one.
+        UsageError: one line naming the flag and what it expects.
+    """
+    check_seed(args.seed)
+    check_finite_floats(args)
+    check_tracking(args)
+    check_device(args.device)
+    check_model_path(args.model_name_or_path)
+    if args.reward_model_path is not None:
+        check_model_path(args.reward_model_path, "--reward-model-path")
+    check_task_flags(args)
+    check_run_flags(args)
+    check_lora_flags(args)
+    check(args.temperature >= 1e-3, "--temperature must be >= 0.001: log probs divide the logits by it")
+    check(0 < args.top_p <= 1, "--top-p must be in (0, 1]")
+    check(args.beta >= 0, "--beta must be >= 0")
+    check(0 < args.clip_range < 1, "--clip-range must be in (0, 1)")
+    check(0 < args.learning_rate < 1, "--learning-rate must be in (0, 1): AdamW moves each weight by about this much per step")
+    check(args.weight_decay >= 0, "--weight-decay must be >= 0")
+    check(args.tis_cap == 0 or args.tis_cap >= 1, "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)")
+
+
+def check_run_flags(args: Any) -> None:
+    """The LM scripts' run flags: --eval-every, --sample-every and --save-every (a number of steps, 0 with its
+    documented meaning), --eval-size and --eval-only, --torch-threads.
+
+    Raises:
+        UsageError: a negative one, or --eval-only without held-out questions or under torchrun.
     """
     for flag, zero in (("eval_every", "only at the start and the end"), ("sample_every", "never"),
                        ("save_every", "only at the end")):
         check(getattr(args, flag) >= 0, f"{flag_name(flag)} must be >= 0 (a number of steps; 0 = {zero})")
+    check(args.eval_size >= 0, "--eval-size must be >= 0 (0 = no held-out evaluation)")
+    check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
+    check(not args.eval_only or world_size() == 1, "--eval-only runs in one process, not under torchrun")
+    check(args.torch_threads >= 0, "--torch-threads must be >= 0 (0 = torch's default)")
 
 
 def make_run_dir(args: Any) -> Path:

@@ -1120,21 +1120,14 @@ HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # what a non-f
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: the run's flags, the paper's
-    (:func:`validate_grpo`), the extensions' and the samplers' (:func:`validate_extensions`).
+    """One-line errors for flag values that cannot work, before anything loads: the flags both LM scripts share
+    (:func:`common.check_lm_flags`), the paper's (:func:`validate_grpo`), the extensions' and the samplers'
+    (:func:`validate_extensions`).
 
     Raises:
         UsageError: naming the flag and what it expects.
     """
-    common.check_seed(args.seed)
-    common.check_finite_floats(args)
-    common.check_tracking(args)
-    common.check_device(args.device)
-    common.check_model_path(args.model_name_or_path)
-    if args.reward_model_path is not None:
-        common.check_model_path(args.reward_model_path, "--reward-model-path")
-    common.check_task_flags(args)
-    common.check_run_flags(args)
+    common.check_lm_flags(args)  # the flags both LM scripts share
     validate_grpo(args)
     validate_extensions(args)
 
@@ -1144,21 +1137,9 @@ def validate_grpo(args: Args) -> None:
     check(args.group_size >= 2, "--group-size must be >= 2: group-relative advantages need at least two outputs")
     for flag in ("total_steps", "prompts_per_step", "max_new_tokens", "max_prompt_length", "mu",
                  "micro_batch_size", "eval_batch_size", "iterations", "rm_epochs", "max_sampling_rounds"):
-        check(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be a positive integer")
-    check(args.eval_size >= 0, "--eval-size must be >= 0 (0 = no held-out evaluation)")
-    check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
-    check(not args.eval_only or common.world_size() == 1, "--eval-only runs in one process, not under torchrun")
-    check(args.temperature >= 1e-3, "--temperature must be >= 0.001: log probs divide the logits by it")
-    check(0 < args.top_p <= 1, "--top-p must be in (0, 1]")
-    check(args.beta >= 0, "--beta must be >= 0")
-    check(0 < args.clip_range < 1, "--clip-range must be in (0, 1)")
-    check(0 < args.learning_rate < 1, "--learning-rate must be in (0, 1): AdamW moves each weight by about this much per step")
-    check(args.weight_decay >= 0, "--weight-decay must be >= 0")
+        check(getattr(args, flag) > 0, f"{common.flag_name(flag)} must be a positive integer")
     check(args.max_grad_norm > 0, "--max-grad-norm must be > 0 (the largest gradient norm an update may have)")
     check(args.adv_eps > 0, "--adv-eps must be > 0: a group with equal rewards divides 0 by std + eps")
-    check(args.torch_threads >= 0, "--torch-threads must be >= 0 (0 = torch's default)")
-    check(args.task in ("addition", "multistep", "countdown") or args.dataset is not None,
-          f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep', 'countdown' (or use --dataset)")
     check(args.supervision in ("outcome", "process"), f"--supervision must be 'outcome' or 'process', not {args.supervision!r}")
     check(args.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"),
           f"--loss-type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {args.loss_type!r}")
@@ -1186,12 +1167,10 @@ def validate_extensions(args: Args) -> None:
     check(not args.use_vllm or importlib.util.find_spec("vllm") is not None,
           "--use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)")
     check(not (args.use_vllm and args.fast_generation), "--fast-generation and --use-vllm are two ways to sample: pick one")
-    common.check_lora_flags(args)
     check(not args.lora_rank or args.iterations == 1, "--lora-rank with --iterations > 1: the reference is the policy "
           "with its adapter disabled, which cannot be reset to the policy at each iteration; use full fine-tuning")
     check(not (args.lora_rank and args.use_vllm), "--lora-rank with --use-vllm is not supported: vLLM would need the "
           "merged weights every step; use --fast-generation")
-    check(args.tis_cap == 0 or args.tis_cap >= 1, "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)")
     check(args.tis_cap == 0 or args.fast_generation or args.use_vllm or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
           "--tis-cap needs a sampler other than the trained module (--fast-generation, --use-vllm, or --bf16 on CUDA); "
           "otherwise pi_old / pi_sampler is 1")

@@ -775,24 +775,13 @@ HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the 
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: the run's flags, then the
-    algorithm's and the extensions' (:func:`validate_ppo`).
+    """One-line errors for flag values that cannot work, before anything loads: the flags both LM scripts share
+    (:func:`common.check_lm_flags`), then the algorithm's and the extensions' (:func:`validate_ppo`).
 
     Raises:
         UsageError: naming the flag and what it expects.
     """
-    common.check_seed(args.seed)
-    common.check_finite_floats(args)
-    common.check_tracking(args)
-    common.check_device(args.device)
-    common.check_model_path(args.model_name_or_path)
-    if args.reward_model_path is not None:
-        common.check_model_path(args.reward_model_path, "--reward-model-path")
-    common.check_task_flags(args)
-    common.check_run_flags(args)
-    check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
-    check(not args.eval_only or common.world_size() == 1, "--eval-only runs in one process, not under torchrun")
-    common.check_lora_flags(args)
+    common.check_lm_flags(args)  # the flags both LM scripts share
     validate_ppo(args)
 
 
@@ -800,37 +789,26 @@ def validate_ppo(args: Args) -> None:
     """:func:`validate`'s part for the algorithm's flags (sizes, sampling, rewards, GAE, PPO) and its extensions'."""
     for flag in ("total_steps", "prompts_per_step", "max_new_tokens", "max_prompt_length", "num_ppo_epochs",
                  "num_minibatches", "micro_batch_size", "eval_batch_size", "adaptive_kl_horizon"):
-        check(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be a positive integer")
-    check(args.eval_size >= 0, "--eval-size must be >= 0 (0 = no held-out evaluation)")
+        check(getattr(args, flag) > 0, f"{common.flag_name(flag)} must be a positive integer")
     check(args.prompts_per_step % args.num_minibatches == 0,
           f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches {args.num_minibatches}")
-    check(args.temperature >= 1e-3, "--temperature must be >= 0.001: log probs divide the logits by it")
-    check(0 < args.top_p <= 1, "--top-p must be in (0, 1]")
-    check(args.beta >= 0, "--beta must be >= 0")
     check(math.isfinite(args.missing_eos_penalty) and args.missing_eos_penalty >= 0, "--missing-eos-penalty must be a "
           "finite number >= 0: it is subtracted from the score of a completion without EOS (TRL's missing_eos_penalty)")
     check(args.adaptive_kl_target is None or (args.adaptive_kl_target > 0 and args.beta > 0),
           "--adaptive-kl-target must be > 0 and needs --beta > 0 (the controller scales beta)")
     check(0 <= args.gamma <= 1, "--gamma must be in [0, 1]")
     check(0 <= args.lam <= 1, "--lam must be in [0, 1]")
-    check(0 < args.clip_range < 1, "--clip-range must be in (0, 1)")
     check(args.clip_range_value > 0, "--clip-range-value must be > 0")
     check(args.vf_coef > 0, "--vf-coef must be > 0")
-    check(0 < args.learning_rate < 1, "--learning-rate must be in (0, 1): AdamW moves each weight by about this much per step")
     check(args.value_learning_rate is None or 0 < args.value_learning_rate < 1, "--value-learning-rate must be in (0, 1)")
     check(args.max_grad_norm > 0, "--max-grad-norm must be > 0")
     check(args.adam_eps > 0, "--adam-eps must be > 0")
-    check(args.weight_decay >= 0, "--weight-decay must be >= 0")
-    check(args.torch_threads >= 0, "--torch-threads must be >= 0 (0 = torch's default)")
-    check(args.task in ("addition", "multistep", "countdown") or args.dataset is not None,
-          f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep', 'countdown' (or use --dataset)")
     world = common.world_size()
     check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
           f"world size {world} (the number of torchrun processes)")
     check(args.prompts_per_step // world % args.num_minibatches == 0, f"--prompts-per-step {args.prompts_per_step} / world "
           f"size {world} = {args.prompts_per_step // world} prompts per process must be divisible by --num-minibatches {args.num_minibatches}")
     check(args.generation_prompts_per_call >= 0, "--generation-prompts-per-call must be >= 0")
-    check(args.tis_cap == 0 or args.tis_cap >= 1, "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)")
     check(args.tis_cap == 0 or args.fast_generation or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
           "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 on CUDA); "
           "otherwise pi_old / pi_sampler is 1")
