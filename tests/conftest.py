@@ -2,6 +2,7 @@
 
 import os
 import string
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +51,38 @@ def make_tiny_model(path: Path, seed: int = 0, kind: str = "causal-lm", init_std
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def torchrun(script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, **env) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout and stderr kept."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           str(ROOT / script), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def assert_one_line_error(cli, argv: list[str], message: str, capsys, checkpoint: Path, cleanup=None) -> None:
+    """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after exactly one line that
+    starts with ``error: `` and contains ``message``, prints no traceback, leaves ``checkpoint`` byte-identical and
+    no temporary file beside it. The checkpoint is put back (and ``cleanup()`` run) even when the case fails, so
+    that one failing case does not spoil the next."""
+    before = checkpoint.read_bytes()
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli(argv)
+    finally:
+        changed = checkpoint.read_bytes() != before
+        checkpoint.write_bytes(before)
+        if cleanup is not None:
+            cleanup()
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2, err[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], err[-2000:]
+    assert "Traceback" not in err
+    assert not changed
+    assert not list(checkpoint.parent.glob(f".{checkpoint.name}.*"))
 
 
 @pytest.fixture(scope="session")

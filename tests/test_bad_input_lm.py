@@ -9,15 +9,12 @@ tokenizer, not a model; "model" cases may load models but not train; "run" cases
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_tiny_model
+from conftest import ROOT, assert_one_line_error, make_tiny_model, torchrun
 
 import common
 import grpo_lm
@@ -250,7 +247,6 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, me
     module = grpo_lm if script == "grpo" else ppo_lm
     message = message.replace("{root}", str(files["root"])).replace("{script}", script)
     ckpt = files["root"] / "runs" / script / "checkpoint.pt"
-    before = ckpt.read_bytes()
 
     def too_early(*args, **kwargs):
         raise AssertionError(f"{stage} case loaded a tokenizer or model before failing")
@@ -261,20 +257,8 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, me
         for name in ("load_model", "load_reward_model"):
             monkeypatch.setattr(common, name, too_early)
     monkeypatch.chdir(files["root"])  # a run that wrongly starts writes under the test's directory
-    capsys.readouterr()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            module.cli(_argv(script, argv, files))
-    finally:
-        changed = ckpt.read_bytes() != before
-        ckpt.write_bytes(before)  # a failing case must not change what the next one resumes from
-        shutil.rmtree(files["root"] / "runs_new", ignore_errors=True)  # nor leave a run the next one would refuse
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert exit_info.value.code == 2, err[-2000:]
-    assert len(lines) == 1 and message in lines[0], err[-2000:]
-    assert "Traceback" not in err
-    assert not changed
+    assert_one_line_error(module.cli, _argv(script, argv, files), message, capsys, ckpt,
+                          cleanup=lambda: shutil.rmtree(files["root"] / "runs_new", ignore_errors=True))  # no run left
 
 
 def test_the_table_is_large():
@@ -288,10 +272,7 @@ def test_the_table_is_large():
 def test_torchrun_every_rank_stops_with_one_line(script, argv, message, tmp_path):
     # every process finds the error before joining the process group; rank 0 prints it, torchrun then reports
     # the failed processes with its own launcher's traceback, none from our files
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(ROOT / script), "--device", "cpu", *argv], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env=env)
+    out = torchrun(script, ["--device", "cpu", *argv], cwd=tmp_path)
     err = out.stdout + out.stderr
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and len(lines) == 1 and message in lines[0], err[-3000:]

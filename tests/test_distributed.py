@@ -20,7 +20,7 @@ import torch
 import common
 import grpo_lm
 import ppo_lm
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 
 @pytest.fixture(autouse=True)
@@ -29,13 +29,6 @@ def restore_torch_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-def torchrun(script: str, flags: list[str], nproc: int = 2, **env) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           str(ROOT / script), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
 def scalars(run_dir) -> dict[str, list[float]]:
