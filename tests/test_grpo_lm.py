@@ -440,7 +440,7 @@ def test_truncated_importance_sampling_weights_the_surrogate():
     assert plain.item() == pytest.approx(-1.0)  # tis_cap 0: off
 
 
-def test_sampler_log_probs_are_recorded_and_equal_generates_own(tiny_model_dir, tmp_path):
+def test_sampler_log_probs_are_recorded_and_equal_generates_own(tiny_model_dir):
     # the sampler/learner mismatch is logged from the log probs the sampler itself sampled with
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))

@@ -44,7 +44,7 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
     assert model.generation_config.repetition_penalty in (None, 1.0)
 
 
-def test_final_model_keeps_the_checkpoints_generation_config(tmp_path, tiny_model_dir):
+def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
     # the neutral sampling config is for training only: a saved model keeps the settings it came with
     path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
     model = common.load_model(str(path))
@@ -87,7 +87,7 @@ def test_reward_model_scores_equal_its_own_forward_when_pad_is_eos(tmp_path):
     torch.testing.assert_close(scores[:2], before_eos, atol=1e-5, rtol=1e-5)  # read one token before the EOS
 
 
-def test_a_causal_lm_is_not_taken_for_a_reward_model(tiny_model_dir, tmp_path):
+def test_a_causal_lm_is_not_taken_for_a_reward_model(tiny_model_dir):
     # Trust II: a plain causal LM loaded as a sequence classifier gets a randomly initialised score head
     with pytest.raises(common.UsageError, match=r"--reward-model-path: .* has no trained score head"):
         common.load_reward_model(str(tiny_model_dir), common.load_tokenizer(str(tiny_model_dir)), "cpu")

@@ -419,6 +419,13 @@ def test_countdown_expressions_may_span_lines():
     assert not common.countdown_correct("<answer>3 + 5\n* 2 - 7</answer>", EX)  # 6
 
 
+@pytest.fixture(scope="module")
+def countdown_think_task():
+    import grpo_lm
+
+    return common.make_task(grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4))
+
+
 @pytest.mark.parametrize("response, correct", [
     ("<think>x</think><answer>(3 + 5) * 2 - 7</answer>", True),
     ("<think>x</think><answer> (3 + 5) * 2 - 7 = 9 </answer>", True),
@@ -428,11 +435,9 @@ def test_countdown_expressions_may_span_lines():
     ("<think>x</think><answer>(3 + 5) * 2 - 7 is it</answer>", False),
     ("<think>(3 + 5) * 2 - 7</think><answer>nine</answer>", False),
 ])
-def test_countdown_in_the_think_format_reads_the_whole_answer_block(response, correct):
+def test_countdown_in_the_think_format_reads_the_whole_answer_block(response, correct, countdown_think_task):
     # the answer block is the expression, as in plain mode: no fallback to the last arithmetic on its last line
-    import grpo_lm
-
-    task = common.make_task(grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4))
+    task = countdown_think_task
     assert task.correct_fn(response, EX) is correct == common.countdown_correct(response, EX)
     assert task.reward_fn(response, EX) == pytest.approx(correct + 0.1)  # + the think/answer format
 
