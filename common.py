@@ -1800,6 +1800,17 @@ def reward_model_scores(reward_model, input_ids: torch.Tensor, attention_mask: t
 
 
 @torch.no_grad()
+def score_with_reward_model(reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, batch_size: int,
+                            device, bf16: bool) -> torch.Tensor:
+    """The (N,) float32 scores of :func:`reward_model_scores` on the CPU, ``batch_size`` sequences at a time, without
+    gradients, under --bf16's autocast on CUDA (a step's scoring; training calls :func:`reward_model_scores`)."""
+    with bf16_autocast(device, bf16):
+        return torch.cat([reward_model_scores(reward_model, input_ids[i: i + batch_size],
+                                              attention_mask[i: i + batch_size]).cpu()
+                          for i in range(0, len(input_ids), batch_size)])
+
+
+@torch.no_grad()
 def greedy_accuracy(policy, tokenizer, examples: list[dict], correct_fn: Callable[[str, dict], bool],
                     max_new_tokens: int, batch_size: int, device, system_prompt: str | None = None,
                     response_prefix: str = "", task_name: str = "task") -> tuple[float, list[str]]:

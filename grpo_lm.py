@@ -659,11 +659,8 @@ def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> di
     if scored_by_model:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["mask"].long()], 1)
-        mb = args.micro_batch_size
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            rewards = torch.cat([common.reward_model_scores(sampling.reward_model, input_ids[i: i + mb],
-                                                            attention_mask[i: i + mb]).cpu()
-                                 for i in range(0, len(examples), mb)])
+        rewards = common.score_with_reward_model(sampling.reward_model, input_ids, attention_mask,
+                                                 args.micro_batch_size, device, args.bf16)
     else:
         rewards = verifiable
     eos = sampling.tokenizer.eos_token_id

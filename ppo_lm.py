@@ -649,8 +649,8 @@ def rollout(sampling: Sampling, policy, args: Args, device, step: int) -> dict:
 
 
 def score(batch: dict, reward_model, task: common.Task, args: Args, device) -> dict:
-    """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's, read at the last
-    token (--reward-model-path), or else the task's verifiable reward.
+    """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's, read where its
+    own forward pass pools (--reward-model-path), or else the task's verifiable reward.
 
     Returns:
         (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and the logged ``scalars`` of
@@ -658,14 +658,12 @@ def score(batch: dict, reward_model, task: common.Task, args: Args, device) -> d
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
-    examples, mb = batch["examples"], args.micro_batch_size
+    examples = batch["examples"]
     responses = [args.response_prefix + c for c in batch["completions"]]  # what the reward functions read
     each = {}
     if reward_model is not None:
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            scores = torch.cat([common.reward_model_scores(reward_model, batch["input_ids"][i: i + mb],
-                                                           batch["attention_mask"][i: i + mb]).cpu()
-                                for i in range(0, len(examples), mb)])
+        scores = common.score_with_reward_model(reward_model, batch["input_ids"], batch["attention_mask"],
+                                                args.micro_batch_size, device, args.bf16)
     else:
         scores, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards too
     return {"score": scores, "correct": common.score_correct(task, responses, examples),
