@@ -878,6 +878,7 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
     mask = batch["mask"]
     valid = mask.bool()
     non_score = (-beta * kl).sum(1).cpu()
+    kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
     returns_all, values_all = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, old_values))
     rewards_task, correct, scores, non_score, lengths, truncated = (common.all_gather(x.float().cpu()) for x in (
         batch["score"], batch["correct"], scores, non_score, mask.sum(1), batch["truncated"]))
@@ -891,12 +892,12 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
         "reward/accuracy": correct.mean().item(), "reward/score": scores.mean().item(),
         "reward/non_score": non_score.mean().item(), "reward/total": (scores + non_score).mean().item(),
         "loss/policy": totals["policy_loss"] / num_updates, "loss/value": totals["value_loss"] / num_updates,
-        "loss/kl": common.all_reduce((kl * mask).sum()).item() / max(lengths.sum().item(), 1),
+        "loss/kl": kl_sum / max(lengths.sum().item(), 1),
         "loss/clip_fraction": totals["clipped"] / tokens, "loss/value_clip_fraction": totals["value_clipped"] / tokens,
         "loss/approx_kl": totals["approx_kl"] / tokens, "loss/entropy": totals["entropy"] / tokens,
         "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
         "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
-        "kl/sequence_mean": common.all_reduce(kl.sum()).item() / args.prompts_per_step, "kl/beta": beta,
+        "kl/sequence_mean": kl_sum / args.prompts_per_step, "kl/beta": beta,
         **(sampler_mismatch(old_logp, batch["sampler_logp"], mask) if batch["sampler_logp"] is not None else {}),
         "value/mean": values_all.mean().item(), "value/returns_mean": returns_all.mean().item(),
         "value/explained_variance": (1 - (returns_all - values_all).var() / var_returns).item()
