@@ -683,8 +683,13 @@ def set_norm_state(envs: gym.vector.VectorEnv, state: dict, update: bool = True)
     ret_norm.return_rms.mean = np.array(state["ret_mean"], copy=True)
     ret_norm.return_rms.var = np.array(state["ret_var"], copy=True)
     ret_norm.return_rms.count = state["ret_count"]
-    obs_norm.update_running_mean = update
-    ret_norm.update_running_mean = update
+    set_norm_updates(envs, update)
+
+
+def set_norm_updates(envs: gym.vector.VectorEnv, update: bool) -> None:
+    """Let both normalisers update their running statistics, or freeze them (gymnasium's ``update_running_mean``)."""
+    for wrapper in (vector_wrappers.NormalizeObservation, vector_wrappers.NormalizeReward):
+        _find_wrapper(envs, wrapper).update_running_mean = update
 
 
 def get_running_return(envs: gym.vector.VectorEnv) -> np.ndarray:
@@ -903,9 +908,9 @@ def restore_checkpoint(ckpt: dict, agent: Agent, optimizer: optim.Optimizer, env
     optimizer.load_state_dict(ckpt["optimizer"])
     for group in optimizer.param_groups:
         group["lr"] = args.learning_rate
-    set_norm_state(envs, ckpt["norm"], update=False)
+    set_norm_state(envs, ckpt["norm"], update=False)  # the reset's observations must not move the saved statistics
     next_obs, _ = envs.reset(seed=args.seed + ckpt["global_step"])
-    set_norm_state(envs, ckpt["norm"])
+    set_norm_updates(envs, True)
     running_return = ckpt.get("running_return")  # older checkpoints have none: it restarts at 0
     if running_return is not None and np.shape(running_return) == (args.num_envs,):
         _find_wrapper(envs, vector_wrappers.NormalizeReward).accumulated_reward[:] = running_return
