@@ -1836,21 +1836,25 @@ def greedy_accuracy(policy, tokenizer, examples: list[dict], correct_fn: Callabl
     return correct / len(examples), outputs
 
 
-def report_accuracy(policy, tokenizer, task: Task, eval_size: int, max_new_tokens: int, batch_size: int, device,
-                    bf16: bool, out_path: str | os.PathLike, source: dict, system_prompt: str | None = None,
-                    response_prefix: str = "") -> float:
-    """``--eval-only``: the greedy held-out accuracy of a saved model on ``task.test[:eval_size]``, printed and
+def held_out_accuracy(policy, tokenizer, task: Task, args: Any, device) -> tuple[float, list[str]]:
+    """The greedy accuracy of ``policy`` on the --eval-size held-out questions, with the run's prompt style, under
+    --bf16's autocast; returns (accuracy, completions). Training's evaluations and --eval-only both call it."""
+    with bf16_autocast(device, args.bf16):
+        return greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn, args.max_new_tokens,
+                               args.eval_batch_size, device, *prompt_style(args), task.name)
+
+
+def report_accuracy(policy, tokenizer, task: Task, args: Any, device, out_path: str | os.PathLike, source: dict) -> float:
+    """``--eval-only``: the greedy held-out accuracy of a saved model (:func:`held_out_accuracy`), printed and
     written to ``out_path`` as JSON (with ``source``, what was evaluated, and the first completions).
 
     Raises:
         UsageError: ``out_path`` cannot be written.
     """
-    questions = task.test[:eval_size]
-    with bf16_autocast(device, bf16):
-        accuracy, completions = greedy_accuracy(policy, tokenizer, questions, task.correct_fn, max_new_tokens,
-                                                batch_size, device, system_prompt, response_prefix, task.name)
+    questions = task.test[: args.eval_size]
+    accuracy, completions = held_out_accuracy(policy, tokenizer, task, args, device)
     report = {**source, "task": task.name, "questions": len(questions), "correct": round(accuracy * len(questions)),
-              "accuracy": accuracy, "max_new_tokens": max_new_tokens,
+              "accuracy": accuracy, "max_new_tokens": args.max_new_tokens,
               "first_completions": [{"question": q["question"], "answer": q["answer"], "completion": c}
                                     for q, c in zip(questions[:5], completions)]}
     try:
@@ -2221,8 +2225,7 @@ def eval_only(args: Any, task: Task, tokenizer, checkpoint: dict | None, run_dir
     source = {"checkpoint": args.resume, "step": checkpoint["step"]} if checkpoint else {"model": args.model_name_or_path}
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / (f"eval_step{checkpoint['step']}.json" if checkpoint else "eval.json")
-    accuracy = report_accuracy(policy, tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size,
-                               device, args.bf16, out, source, *prompt_style(args))
+    accuracy = report_accuracy(policy, tokenizer, task, args, device, out, source)
     cleanup_distributed()
     return {"eval/accuracy": [accuracy]}
 
@@ -2279,9 +2282,7 @@ def evaluate(policy, tokenizer, task: Task, args: Any, device, log: RunLog, step
 
     due = step in (0, args.total_steps) or (args.eval_every and step % args.eval_every == 0)
     if log.is_main and args.eval_size and due:
-        with bf16_autocast(device, args.bf16):
-            accuracy, _ = greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn,
-                                          args.max_new_tokens, args.eval_batch_size, device, *prompt_style(args), task.name)
+        accuracy, _ = held_out_accuracy(policy, tokenizer, task, args, device)
         log(step, {"eval/accuracy": accuracy})
         tqdm.write(f"step {step}: held-out greedy accuracy {accuracy:.3f}")
 
