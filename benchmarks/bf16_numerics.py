@@ -44,30 +44,27 @@ def perturbed(model, scale: float, seed: int):
 
 def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
     """(N, T) log probs of the sampled tokens: mode 'fp32', 'bf16_head' (autocast, bf16 logits) or 'fp32_head'."""
+    if mode == "bf16_head":
+        return forward_log_probs(model, batch, temperature, autocast=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "fp32_head"):
+        return grpo_lm.token_log_probs(model, *batch, temperature, False)
+
+
+def forward_log_probs(model, batch, temperature: float, autocast: bool = False) -> torch.Tensor:
+    """(N, T) log probs of the sampled tokens from the model's own forward and head (with ``autocast``, under CPU
+    bf16 autocast), as a sampler computes them; the log-softmax in float32."""
     prompt_ids, prompt_mask, index, completions, att = batch
-    with torch.no_grad():
-        if mode == "fp32":
-            return grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, temperature, False)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if mode == "fp32_head":
-                return grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, temperature, False)
-            attention_mask = torch.cat([prompt_mask[index], att], 1)
-            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-            T = completions.shape[1]
-            logits = model(input_ids=torch.cat([prompt_ids[index], completions], 1), attention_mask=attention_mask,
-                           position_ids=position_ids, logits_to_keep=T + 1).logits[:, :-1]
+    attention_mask = torch.cat([prompt_mask[index], att], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=torch.cat([prompt_ids[index], completions], 1), attention_mask=attention_mask,
+                       position_ids=position_ids, logits_to_keep=completions.shape[1] + 1).logits[:, :-1]
     return (logits.float() / temperature).log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
 
 
 def sampler_log_probs(sampler, batch, temperature: float) -> torch.Tensor:
     """(N, T) log probs under a bf16-weight sampler, computed as it samples (no autocast, bf16 head)."""
-    prompt_ids, prompt_mask, index, completions, att = batch
-    attention_mask = torch.cat([prompt_mask[index], att], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = sampler(input_ids=torch.cat([prompt_ids[index], completions], 1), attention_mask=attention_mask,
-                         position_ids=position_ids, logits_to_keep=completions.shape[1] + 1).logits[:, :-1]
-    return (logits.float() / temperature).log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
+    return forward_log_probs(sampler, batch, temperature)
 
 
 def main() -> None:
