@@ -61,6 +61,15 @@ def torchrun(script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, **
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
+def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series TensorBoard shows for ``run_dir``: {tag: [(step, value), ...]}, in step order, none dropped."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def assert_one_line_error(cli, argv: list[str], message: str, capsys, checkpoint: Path, cleanup=None) -> None:
     """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after exactly one line that
     starts with ``error: `` and contains ``message``, prints no traceback, leaves ``checkpoint`` byte-identical and

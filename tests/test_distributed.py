@@ -20,7 +20,7 @@ import torch
 import common
 import grpo_lm
 import ppo_lm
-from conftest import ROOT, torchrun
+from conftest import ROOT, tb_scalars, torchrun
 
 
 @pytest.fixture(autouse=True)
@@ -32,12 +32,8 @@ def restore_torch_threads():
 
 
 def scalars(run_dir) -> dict[str, list[float]]:
-    """Every scalar series of the (single) TensorBoard event file in ``run_dir``, in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    """Every scalar series of the (single) TensorBoard event file in ``run_dir``, in step order: the values."""
+    return {tag: [value for _, value in series] for tag, series in tb_scalars(run_dir).items()}
 
 
 def assert_same_run(one: dict, two: dict, keys) -> None:

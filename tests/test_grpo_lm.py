@@ -10,7 +10,7 @@ import torch
 
 import common
 import grpo_lm
-from conftest import ROOT
+from conftest import ROOT, tb_scalars
 
 LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
 
@@ -491,8 +491,6 @@ def test_resume_takes_the_learning_rate_given_again(tiny_model_dir, tmp_path):
 def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
     # a run that logged steps 1-3 but whose last checkpoint is step 2 (killed after logging step 3) is resumed:
     # TensorBoard must show step 3 once, from the resumed run
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, save_every=2), task=digit_task())
     ckpt = tmp_path / "run" / "checkpoint.pt"
     state = common.load_checkpoint(ckpt)
@@ -501,11 +499,9 @@ def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
     (tmp_path / "b" / "run" / "checkpoint.pt").replace(ckpt)
     resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=3, resume=str(ckpt)),
                            task=digit_task())  # the flags the checkpoint holds (--runs-dir b); it writes beside ckpt
-    events = EventAccumulator(str(tmp_path / "run"))
-    events.Reload()
-    steps = [e.step for e in events.Scalars("reward/mean")]
-    assert steps == [1, 2, 3], steps
-    assert events.Scalars("reward/mean")[-1].value == pytest.approx(resumed["reward/mean"][0])
+    series = tb_scalars(tmp_path / "run")["reward/mean"]
+    assert [step for step, _ in series] == [1, 2, 3], series
+    assert series[-1][1] == pytest.approx(resumed["reward/mean"][0])
     assert resumed["reward/mean"][0] == pytest.approx(full["reward/mean"][2])
 
 

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+from conftest import tb_scalars  # noqa: E402
 import ppo_continuous as pc  # noqa: E402
 
 torch.set_num_threads(1)
@@ -413,12 +414,7 @@ def test_compiled_loss_matches_eager(tmp_path):
 # ----------------------------------------------------------------------------------------------
 def _scalars(run_dir) -> dict:
     """Every logged scalar but the timings, as TensorBoard shows it: {tag: [(step, value), ...]}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
-            if not tag.startswith("perf/") and tag != "charts/SPS"}
+    return {tag: series for tag, series in tb_scalars(run_dir).items() if not tag.startswith("perf/") and tag != "charts/SPS"}
 
 
 def _train_killed_after(tmp_path, monkeypatch, kill_after: int, **kw) -> tuple[dict, Path]:
