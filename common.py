@@ -302,13 +302,23 @@ def check_new_run_dir(run_dir: str | os.PathLike, flag: str) -> None:
     check(not ckpt.exists(), f"{run_dir} holds a checkpoint: resume it with --resume {ckpt}, or pick another {flag}")
 
 
+def _wait_for_a_later_event_file_name(run_dir: str | os.PathLike) -> None:
+    """Return once a new event file in ``run_dir`` would sort after every existing one: event files are named
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>``, so within the second of the newest one a new name can
+    sort first (pid 99 after 100, counter 9 after 10). Waits less than a second, and only then."""
+    seconds = [int(m.group(1)) for f in Path(run_dir).glob("events.out.tfevents.*")
+               if (m := re.match(r"events\.out\.tfevents\.(\d+)\.", f.name))]
+    while seconds and int(time.time()) <= max(seconds):
+        time.sleep(0.05)
+
+
 def make_writer(run_dir: str | os.PathLike, args: Any, purge_step: int | None = None):
     """A TensorBoard ``SummaryWriter`` in ``run_dir`` with the hyperparameters logged as a table,
     and ``args.json`` (a human-readable record of the flags) beside it.
 
     ``purge_step``: for a resumed run, the first step it will log (the checkpoint's step + 1):
     TensorBoard then drops every event at or after it that the interrupted run had written, so no
-    step is shown twice (``SummaryWriter(purge_step=...)``).
+    step is shown twice (``SummaryWriter(purge_step=...)``; its event file is made to sort after theirs).
     With ``args.track`` (CleanRL's ``--track``) the run is also tracked with Weights & Biases, which syncs
     these TensorBoard events (``wandb.init(sync_tensorboard=True)``, before the writer exists); a resumed run
     continues the same wandb run. ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
@@ -328,6 +338,8 @@ def make_writer(run_dir: str | os.PathLike, args: Any, purge_step: int | None = 
                        config=dataclasses.asdict(args), dir=str(run_dir), save_code=True)
         except Exception as e:  # noqa: BLE001 - no key, no network, a bad entity: one line, whatever wandb raises
             raise UsageError(f"--track: wandb.init failed: {type(e).__name__}: {_one_line(e)}") from None
+    if purge_step is not None:  # TensorBoard purges only events it read before the purge, reading files in name order
+        _wait_for_a_later_event_file_name(run_dir)
     writer = SummaryWriter(str(run_dir), purge_step=purge_step)
     if getattr(args, "track", False):  # closing the writer also ends the wandb run (and writes an offline one out)
         close = writer.close

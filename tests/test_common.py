@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common
+from conftest import tb_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,14 +148,6 @@ def test_run_cli_prints_one_line_on_rank_0_only(monkeypatch, capsys):
 # ----------------------------------------------------------------------------------------------
 # make_writer: a resumed run never logs a step twice
 # ----------------------------------------------------------------------------------------------
-def _scalars(run_dir, tag):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir))
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars(tag)]
-
-
 def test_make_writer_purges_the_steps_a_killed_run_logged_after_its_checkpoint(tmp_path):
     args = _Args()
     writer = common.make_writer(tmp_path, args)
@@ -167,8 +160,26 @@ def test_make_writer_purges_the_steps_a_killed_run_logged_after_its_checkpoint(t
         resumed.add_scalar("loss", 10.0 * step, step)
     resumed.close()
     writer.close()
-    assert _scalars(tmp_path, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0), (8, 80.0)]
+    assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0), (8, 80.0)]
     assert json.loads((tmp_path / "args.json").read_text())["seed"] == 1
+
+
+def test_a_run_resumed_within_the_same_second_still_shows_each_step_once(tmp_path, monkeypatch):
+    # TensorBoard reads event files in name order and purges only what it has read: names start with the second they
+    # were made in, then host, pid and a per-process counter, so in the same second "...10" sorts before "...9"
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    while time.time() % 1 > 0.5:  # start early in a second: the resume comes within it
+        time.sleep(0.01)
+    writer = common.make_writer(tmp_path, _Args())
+    for step in range(1, 4):
+        writer.add_scalar("loss", float(step), step)
+    writer.close()
+    resumed = common.make_writer(tmp_path, _Args(), purge_step=3)
+    resumed.add_scalar("loss", 30.0, 3)
+    resumed.close()
+    assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
 
 @dataclass
