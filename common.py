@@ -2005,7 +2005,7 @@ def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, 
 
 def check_lm_flags(args: Any) -> None:
     """The flags both LM scripts share, checked word for word alike before anything loads: seed, finite floats,
-    --track, --device, model paths, the task flags (:func:`check_task_flags`), the run's (:func:`check_run_flags`),
+    --track, --device, the task flags (:func:`check_task_flags`), the run's (:func:`check_run_flags`),
     LoRA's (:func:`check_lora_flags`), and sampling and optimizer ranges.
 
     Raises:
@@ -2015,9 +2015,6 @@ def check_lm_flags(args: Any) -> None:
     check_finite_floats(args)
     check_tracking(args)
     check_device(args.device)
-    check_model_path(args.model_name_or_path)
-    if args.reward_model_path is not None:
-        check_model_path(args.reward_model_path, "--reward-model-path")
     check_task_flags(args)
     check_run_flags(args)
     check_lora_flags(args)
@@ -2028,6 +2025,18 @@ def check_lm_flags(args: Any) -> None:
     check(0 < args.learning_rate < 1, "--learning-rate must be in (0, 1): AdamW moves each weight by about this much per step")
     check(args.weight_decay >= 0, "--weight-decay must be >= 0")
     check(args.tis_cap == 0 or args.tis_cap >= 1, "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)")
+
+
+def check_model_paths(args: Any) -> None:
+    """The policy's and the reward model's paths (:func:`check_model_path`), checked after every other flag: a bad
+    flag is named even where the default model's wheel is missing.
+
+    Raises:
+        UsageError: one line naming the flag.
+    """
+    check_model_path(args.model_name_or_path)
+    if args.reward_model_path is not None:
+        check_model_path(args.reward_model_path, "--reward-model-path")
 
 
 def check_run_flags(args: Any) -> None:

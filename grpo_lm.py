@@ -1127,6 +1127,7 @@ def validate(args: Args) -> None:
     common.check_lm_flags(args)  # the flags both LM scripts share
     validate_grpo(args)
     validate_extensions(args)
+    common.check_model_paths(args)  # last: a bad flag is named even without the default model
 
 
 def validate_grpo(args: Args) -> None:

