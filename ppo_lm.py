@@ -493,6 +493,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     run_dir = common.make_run_dir(args)
     task = task or common.make_task(args)  # so does a bad --dataset or --reward-fn
     common.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    common.check_model_paths(args)  # last check: a bad flag or file is named even without the model
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
@@ -781,7 +782,6 @@ def validate(args: Args) -> None:
     """
     common.check_lm_flags(args)  # the flags both LM scripts share
     validate_ppo(args)
-    common.check_model_paths(args)  # last: a bad flag is named even without the default model
 
 
 def validate_ppo(args: Args) -> None:
