@@ -46,18 +46,25 @@ def run_cli(main: Callable[[], Any]) -> None:
     """Run ``main()``; a :class:`UsageError` becomes one ``error: ...`` line and exit code 2.
 
     Under ``torchrun`` (``$RANK`` set) only rank 0 prints the line and every rank exits with code 2, so
-    an error that every process finds (a bad flag) reads as one line.
+    an error that every process finds (a bad flag) reads as one line. A failure on some processes only (user
+    code failing on one process's share of the batch) is first told to the others (:func:`agree`), which are
+    waiting in a collective: every process then ends with the same line, naming the rank that failed. Another
+    exception (a bug) is told to the others too, then raised with its traceback.
     """
     try:
         main()
     except UsageError as e:
+        message = str(e) if isinstance(e, _Agreed) else _tell_the_others(str(e))
         rank = os.environ.get("RANK", "0")
         if not rank.isdigit() or int(rank) == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:
+        _tell_the_others(f"{type(e).__name__}: {first_line(e)}")
+        raise
 
 
 def seed_everything(seed: int, torch_deterministic: bool = True) -> None:
@@ -2295,6 +2302,7 @@ def check_device(device: str, flag: str = "--device") -> None:
 def cleanup_distributed() -> None:
     """At the end of a run: wait for every process (rank 0 may still be writing), then destroy the process group."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        agree()  # a process that failed at its last step is still told to the others here
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
@@ -2308,10 +2316,44 @@ def _comm_device(t: torch.Tensor) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else t.device
 
 
+class _Agreed(UsageError):
+    """A failure that every process has been told of (:func:`agree`)."""
+
+
+def agree(error: str | None = None) -> None:
+    """Before every collective, each process says whether it has failed (one small all-reduce): a failure on one
+    process then ends them all with its one line, instead of leaving the others waiting in a collective that it
+    never joins. Every collective of this file calls it first; :func:`run_cli` calls it with the ``error`` of a
+    process that failed. A no-op with one process.
+
+    Raises:
+        UsageError: a process failed: the first failure in rank order, with its rank.
+    """
+    if not _distributed():
+        return
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=_comm_device(torch.zeros(())))
+    torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        errors = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(errors, error)
+        rank, first = next((r, e) for r, e in enumerate(errors) if e is not None)
+        raise _Agreed(f"{first} (on rank {rank})")
+
+
+def _tell_the_others(error: str) -> str:
+    """:func:`agree` for a process that failed: the line every process prints (the first failure in rank order)."""
+    try:
+        agree(error)
+    except _Agreed as e:
+        return str(e)
+    return error
+
+
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``t`` reduced ('sum', 'min' or 'max') over all processes, as a new tensor; ``t`` itself with one process."""
     if not _distributed():
         return t
+    agree()
     out = t.detach().to(_comm_device(t), copy=True)
     torch.distributed.all_reduce(out, {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
                                        "max": torch.distributed.ReduceOp.MAX}[op])
@@ -2322,6 +2364,7 @@ def all_gather(t: torch.Tensor) -> torch.Tensor:
     """Concatenation along dim 0 of the same-shaped ``t`` of every process, in rank order: (world * n, ...)."""
     if not _distributed():
         return t
+    agree()
     parts = [torch.empty_like(t, device=_comm_device(t)) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(parts, t.to(_comm_device(t)).contiguous())
     return torch.cat(parts).to(t.device)
@@ -2331,9 +2374,16 @@ def all_gather_objects(items: list) -> list:
     """The lists ``items`` of every process (any length, picklable), concatenated in rank order."""
     if not _distributed():
         return items
+    agree()
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, items)
     return [x for part in gathered for x in part]
+
+
+def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
+    """``reward/<name>/mean`` of each --reward-fn function: its (N,) rewards of this process's share of the batch,
+    averaged over every process's (one all-gather per function, once per step)."""
+    return {f"reward/{name}/mean": all_gather(r).mean().item() for name, r in rewards.items()}
 
 
 def all_reduce_gradients(parameters) -> None:
@@ -2346,6 +2396,7 @@ def all_reduce_gradients(parameters) -> None:
     """
     if not _distributed():
         return
+    agree()
     works = []
     for p in parameters:
         if not p.requires_grad:

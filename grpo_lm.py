@@ -636,7 +636,8 @@ def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> di
 
     Returns:
         (N,) ``rewards`` (used for the advantages), ``verifiable`` rewards (None when a frozen reward model makes
-        them unnecessary), ``correct`` (right final answer) and ``truncated`` (no EOS within --max-new-tokens).
+        them unnecessary), ``correct`` (right final answer) and ``truncated`` (no EOS within --max-new-tokens);
+        ``reward_fns``: with --reward-fn, each function's own (N,) rewards by name (logged by step_metrics).
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
@@ -644,10 +645,9 @@ def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> di
     responses = [args.response_prefix + c for c in batch["completions"]]  # what the reward functions read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
     scored_by_model = sampling.reward_model is not None and trained
-    verifiable = None
+    verifiable, each = None, {}
     if not scored_by_model or args.train_reward_model:
         verifiable, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
-        batch["scalars"].update({f"reward/{name}/mean": common.all_gather(r).mean().item() for name, r in each.items()})
     if scored_by_model:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["mask"].long()], 1)
@@ -657,7 +657,7 @@ def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> di
         rewards = verifiable
     eos = sampling.tokenizer.eos_token_id
     return {"rewards": rewards, "verifiable": verifiable, "correct": common.score_correct(task, responses, examples),
-            "truncated": ~((batch["completion_ids"] == eos) & batch["mask"].bool()).any(1)}
+            "truncated": ~((batch["completion_ids"] == eos) & batch["mask"].bool()).any(1), "reward_fns": each}
 
 
 @dataclass
@@ -930,6 +930,7 @@ def merge_groups(batches: list[dict], chosen: list[tuple[int, int]], group_size:
         out[key] = None if rows[0][0].get(key) is None else torch.cat([b[key][r] for b, r in rows])
     for key in ("completions", "examples"):
         out[key] = [x for b, r in rows for x in b[key][r]]
+    out["reward_fns"] = {name: torch.cat([b["reward_fns"][name][r] for b, r in rows]) for name in rows[0][0]["reward_fns"]}
     out["scalars"] = {}
     return out
 
@@ -1147,6 +1148,7 @@ def step_metrics(args: Args, batch: dict, all_rewards: torch.Tensor, totals: dic
         **common.peak_memory_gb(device),
     }
     scalars.update(batch["scalars"])
+    scalars.update(common.reward_fn_means(batch["reward_fns"]))  # --reward-fn
     if batch["sampler_logp"] is not None:
         gap_sum, gap_tokens = common.all_reduce(torch.tensor([totals["sampler_gap_sum"], totals["sampler_tokens"]])).tolist()
         scalars.update({"sampling/logp_diff_mean": gap_sum / max(gap_tokens, 1),

@@ -654,8 +654,8 @@ def score(batch: dict, reward_model, task: common.Task, args: Args, device) -> d
     own forward pass pools (--reward-model-path), or else the task's verifiable reward.
 
     Returns:
-        (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and the logged ``scalars`` of
-        --reward-fn's functions (``reward/<name>/mean``). The reward functions read --response-prefix + completion.
+        (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and ``reward_fns``: with --reward-fn,
+        each function's own (N,) rewards by name. The reward functions read --response-prefix + completion.
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
@@ -667,8 +667,7 @@ def score(batch: dict, reward_model, task: common.Task, args: Args, device) -> d
                                                 args.micro_batch_size, device, args.bf16)
     else:
         scores, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards too
-    return {"score": scores, "correct": common.score_correct(task, responses, examples),
-            "scalars": {f"reward/{name}/mean": common.all_gather(r).mean().item() for name, r in each.items()}}
+    return {"score": scores, "correct": common.score_correct(task, responses, examples), "reward_fns": each}
 
 
 def load_value_model(args: Args, tokenizer, device):
@@ -889,7 +888,7 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
         "time/generation_s": gen_time, "time/training_s": now - t0 - gen_time,
         "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs, "time/step_s": now - t0,
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
-        **common.peak_memory_gb(device), **batch["scalars"],
+        **common.peak_memory_gb(device), **common.reward_fn_means(batch["reward_fns"]),
     }
 
 

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny randomly initialised models and a character-level tokenizer, built offline."""
 
 import os
+import signal
 import string
 import subprocess
 import sys
@@ -53,12 +54,21 @@ def make_tiny_model(path: Path, seed: int = 0, kind: str = "causal-lm", init_std
     return path
 
 
-def torchrun(script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, **env) -> subprocess.CompletedProcess:
-    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout and stderr kept."""
+def torchrun(script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, timeout: float = 300,
+             **env) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout and stderr kept.
+    A run still going after ``timeout`` seconds (a hang) fails the test."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
            str(ROOT / script), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: a hung run leaves no process behind
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:

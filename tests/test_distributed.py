@@ -153,3 +153,50 @@ def test_grpo_lora_two_processes_take_the_same_steps_as_one(tiny_lora_model_dir,
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_run(one, scalars(only_run_dir(tmp_path / "two")), ("reward/mean", "loss/policy", "loss/kl", "optim/grad_norm"))
     assert one["loss/kl"][1] > 0 and one["optim/grad_norm"][0] > 0
+
+
+RANK_REWARDS = """import os
+
+
+def fails_on_rank_1(completion, example):
+    if os.environ["RANK"] == "1":
+        raise ValueError("no score for this one")
+    return 1.0
+
+
+def flat_on_rank_0(completion, example):  # rank 0's groups all tie: it samples more rounds than rank 1
+    return 1.0 if os.environ["RANK"] == "0" else float(len(completion) % 2)
+"""
+
+
+def rank_flags(script: str, model_dir, tmp_path, *flags) -> list[str]:
+    (tmp_path / "rank_rewards.py").write_text(RANK_REWARDS)
+    size = ["--group-size", "4"] if script == "grpo_lm.py" else []
+    return ["--model-name-or-path", str(model_dir), "--total-steps", "2", "--prompts-per-step", "4", *size,
+            "--max-new-tokens", "6", "--eval-size", "2", "--eval-every", "0", "--sample-every", "0",
+            "--runs-dir", str(tmp_path / "runs"), "--torch-threads", "1", "--device", "cpu", *flags]
+
+
+@pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
+def test_a_failure_on_one_process_ends_every_process_with_one_line(script, tiny_model_dir, tmp_path):
+    # issue 27: user code that fails on rank 1's share only; rank 0 must not die in a collective (gloo traceback)
+    flags = rank_flags(script, tiny_model_dir, tmp_path, "--reward-fn", f"{tmp_path}/rank_rewards.py:fails_on_rank_1")
+    out = torchrun(script, flags, cwd=tmp_path, timeout=60)
+    err = out.stdout + out.stderr
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(lines) == 1, err[-3000:]
+    assert "fails_on_rank_1" in lines[0] and "ValueError: no score for this one" in lines[0], lines
+    assert "rank 1" in lines[0], lines
+    assert not any(f'File "{ROOT / name}"' in err for name in ("grpo_lm.py", "ppo_lm.py", "common.py")), err[-3000:]
+
+
+def test_dynamic_sampling_with_a_reward_function_runs_on_two_processes(tiny_model_dir, tmp_path):
+    # issue 22: the ranks sample different numbers of rounds; reward() all-gathered every round and hung
+    flags = rank_flags("grpo_lm.py", tiny_model_dir, tmp_path, "--dynamic-sampling", "--max-sampling-rounds", "3",
+                       "--reward-fn", f"{tmp_path}/rank_rewards.py:flat_on_rank_0")
+    out = torchrun("grpo_lm.py", flags, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    run = next((tmp_path / "runs").iterdir())
+    logged = scalars(run)
+    assert logged["sampling/rounds"] == [3.0, 3.0]  # rank 0 sampled every round it may
+    assert len(logged["reward/flat_on_rank_0/mean"]) == 2

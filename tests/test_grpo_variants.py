@@ -322,7 +322,8 @@ def test_merge_groups_repads_rows_of_different_rounds():
         return {"prompt_ids": torch.tensor(prompts), "prompt_mask": (torch.tensor(prompts) != 0).long(),
                 "completion_ids": torch.tensor(completions), "mask": (torch.tensor(completions) != 0).float(),
                 "completions": [str(r) for r in rewards], "examples": [{"r": r} for r in rewards],
-                "rewards": torch.tensor(rewards), "verifiable": None, "correct": torch.tensor(rewards)}
+                "rewards": torch.tensor(rewards), "verifiable": None, "correct": torch.tensor(rewards),
+                "reward_fns": {"f": -torch.tensor(rewards)}}
 
     a = batch([[0, 5], [0, 5], [6, 6], [6, 6]], [[1, 2], [3, 0], [4, 4], [4, 4]], [1.0, 0.0, 1.0, 1.0])
     b = batch([[7], [7]], [[8, 9, 9], [8, 0, 0]], [0.0, 1.0])
@@ -332,6 +333,7 @@ def test_merge_groups_repads_rows_of_different_rounds():
     assert out["completion_ids"].tolist() == [[8, 9, 9], [8, 0, 0], [1, 2, 0], [3, 0, 0]]  # completions right-padded
     assert out["mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
     assert out["rewards"].tolist() == [0.0, 1.0, 1.0, 0.0] and out["verifiable"] is None
+    assert out["reward_fns"]["f"].tolist() == [-0.0, -1.0, -1.0, -0.0]  # each function's rewards follow their rows
     assert out["completions"] == ["0.0", "1.0", "1.0", "0.0"] and out["examples"][2] == {"r": 1.0}
 
 
@@ -417,3 +419,13 @@ def test_eval_size_zero_means_no_evaluation(tiny_model_dir, tmp_path):
     # item 8: --eval-size 0 turns the held-out evaluation off (and holds nothing out)
     h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, eval_size=0), task=digit_task())
     assert "eval/accuracy" not in h and len(h["reward/mean"]) == 1
+
+
+def test_dynamic_sampling_keeps_the_reward_functions_own_means(tiny_model_dir, tmp_path):
+    # issue 22: with --dynamic-sampling the reward/<fn>/mean scalars were lost (the merged batch dropped them);
+    # they are the means over the batch that is trained on
+    (tmp_path / "r.py").write_text("def length(completion, example):\n    return float(len(completion) % 3)\n")
+    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, dynamic_sampling=True,
+                               reward_fn=[f"{tmp_path}/r.py:length"]))
+    assert len(h["reward/length/mean"]) == 2
+    assert h["reward/length/mean"] == pytest.approx(h["reward/mean"])  # the only function, weight 1
