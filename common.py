@@ -276,6 +276,32 @@ def _fits(value: Any, hint: Any) -> bool:
     return isinstance(value, hint) if isinstance(hint, type) else True
 
 
+FROZEN_DATA = {  # what defines an LM run's data and objective: a resumed run cannot change it (both LM scripts)
+    "task": "the run's questions and rewards are this task's",
+    "dataset": "the run's questions are this file's",
+    "prompt_field": "the run's questions are this field's",
+    "answer_field": "the run's answers are this field's",
+    "answer_format": "the run's prompts and rewards are in this format",
+    "system_prompt": "every prompt of the run starts with it",
+    "response_prefix": "every answer of the run starts with it",
+    "reward_fn": "the run's rewards come from these functions",
+    "reward_weights": "the run's reward is the sum with these weights",
+    "format_reward": "the run's reward pays the format this much",
+}
+
+
+def input_digests(dataset: str | None, reward_fns: list[str]) -> dict[str, str]:
+    """SHA-256 of the files that define an LM run's data and rewards, by ``"<flag> <path>"``: the --dataset file
+    and each --reward-fn file (files that do not exist are left out: loading them names them). Saved in
+    checkpoints; :func:`resume_checkpoint` refuses a file whose content has changed since."""
+    import hashlib
+
+    files = [("--dataset", dataset)] if dataset else []
+    files += [("--reward-fn", spec.rpartition(":")[0]) for spec in reward_fns if spec != "task"]
+    return {f"{flag} {path}": hashlib.sha256(Path(path).read_bytes()).hexdigest() for flag, path in files
+            if Path(path).is_file()}
+
+
 def check_resume_compatible(saved: dict, args: Any, frozen: dict[str, str]) -> None:
     """Refuse a flag that cannot change mid-run but differs from the value the run was started with.
 
@@ -1956,7 +1982,8 @@ def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, 
     """The --resume checkpoint of an LM script (memory-mapped), checked before anything loads; None without --resume.
 
     Checked: readable, ``script``'s, its flags this version's (:func:`check_checkpoint_script`); the flags that cannot
-    change (``frozen``, :func:`check_resume_compatible`), except that --eval-only may evaluate on fewer of the
+    change (``frozen`` and :data:`FROZEN_DATA`, :func:`check_resume_compatible`) and the content of the data and
+    reward files (:func:`input_digests`), except that --eval-only may evaluate on fewer of the
     questions the run held out (``frozen``'s ``eval_size``, never more: the others were trained on); steps left to
     train, unless --eval-only; no NaN or inf anywhere in it (a run that diverged before checkpoints refused them).
 
@@ -1971,7 +1998,12 @@ def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, 
         frozen = {name: why for name, why in frozen.items() if name != "eval_size"}
         check(args.eval_size <= saved["eval_size"], f"--eval-size {args.eval_size}: this run held out "
               f"{saved['eval_size']} questions and trained on the others; evaluate on at most {saved['eval_size']}")
-    check_resume_compatible(saved, args, frozen)
+    check_resume_compatible(saved, args, {**FROZEN_DATA, **frozen})
+    now = input_digests(args.dataset, args.reward_fn)
+    for key, digest in checkpoint.get("digests", {}).items():  # checkpoints before 2026-11-25 hold none
+        flag, _, path = key.partition(" ")
+        check(now.get(key) == digest, f"{flag}: {path} has changed since this run started (its content hash differs);"
+              " resume with the file the run started with, or start a new run")
     step = checkpoint["step"]
     check(args.eval_only or args.total_steps > step, f"--total-steps: this run already reached step {step}; pass more "
           f"than {step} to train further (or --eval-only to evaluate it)")

@@ -1012,7 +1012,7 @@ def sample_lines(batch: dict, rewards: torch.Tensor, G: int) -> list[str]:
 
 
 SCRIPT = "grpo_lm.py"  # written into checkpoints: --resume refuses another script's
-FROZEN = {  # flags a resumed run cannot change, and why
+FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA)
     "model_name_or_path": "the checkpoint holds this model's weights",
     "group_size": "the advantages of a run compare groups of this size",
     "reward_model_path": "the run's rewards (and a trained reward model's weights) come from this model",
@@ -1170,6 +1170,7 @@ def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, optimizer
         {"reward_model": None, "rm_optimizer": None, "rm_new": [], "rm_replay": []}
     common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "optimizer": optimizer.state_dict(),
                         "step": step, "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
+                        "digests": common.input_digests(args.dataset, args.reward_fn),
                         "reference": reference.state_dict() if isinstance(reference, torch.nn.Module) and args.iterations > 1
                         else None,
                         "iteration": step // steps_per_iteration, "steps_per_iteration": steps_per_iteration,

@@ -759,7 +759,7 @@ def make_micro_batches(indices: torch.Tensor, batch: dict, size: int) -> list:
 # TRY NOT TO MODIFY: run plumbing (validation, resume, metrics, logging, checkpoints)
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "ppo_lm.py"  # written into checkpoints: --resume refuses another script's
-FROZEN = {  # flags a resumed run cannot change, and why
+FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA)
     "model_name_or_path": "the checkpoint holds this model's weights",
     "reward_model_path": "the run's scores come from this model, and its value model started from it",
     "lora_rank": "the checkpoint holds adapters of this rank (or the full policy)",
@@ -909,7 +909,8 @@ def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_mod
         return
     common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "value_model": value_model.state_dict(),
                         "optimizer": optimizer.state_dict(), "step": step, "kl_coef": beta,
-                        "args": dataclasses.asdict(args), "rng": common.get_rng_state()}, log.checkpoint)
+                        "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
+                        "digests": common.input_digests(args.dataset, args.reward_fn)}, log.checkpoint)
 
 
 def sample_lines(batch: dict) -> list[str]:

@@ -133,3 +133,49 @@ def test_ppo_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeyp
     assert len(runs) == 1
     record = runs[0].read_bytes()  # wandb's own log
     assert b"num_ppo_epochs" in record and b"reward/mean" in record and b"loss/value" in record
+
+
+# ----------------------------------------------------------------------------------------------
+# Resume keeps what defines the run's data and objective (issue 27)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
+def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp_path, reward_file):
+    # the same paths with other contents: the data and the reward of the steps left would not be the run's
+    module = __import__(module)
+    rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(30)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    size = dict(group_size=4) if module is grpo_lm else {}
+    kw = dict(model_name_or_path=str(tiny_model_dir), runs_dir=str(tmp_path), run_name="run", prompts_per_step=4,
+              max_new_tokens=4, eval_size=4, eval_every=0, sample_every=0, total_steps=1, seed=3, torch_threads=1,
+              dataset=str(data), reward_fn=[f"{reward_file}:digits"], **size)
+    module.main(module.Args(**kw))
+    ckpt = str(tmp_path / "run" / "checkpoint.pt")
+    resume = module.Args(**{**kw, "resume": ckpt, "total_steps": 2})
+    with open(data, "a") as f:  # a line added
+        f.write(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    with pytest.raises(common.UsageError, match=r"^--dataset: .*data.jsonl has changed since this run started"):
+        module.main(resume)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # back as it was: resumes
+    reward_file.write_text(REWARDS + "\n# edited\n")
+    with pytest.raises(common.UsageError, match=r"^--reward-fn: .*my_rewards.py has changed since this run started"):
+        module.main(resume)
+    reward_file.write_text(REWARDS)
+    assert module.main(resume)["reward/mean"]  # the same files: the run goes on
+
+
+@pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
+@pytest.mark.parametrize("change", [dict(task="multistep"), dict(answer_format="think"), dict(system_prompt="Be brief."),
+                                    dict(response_prefix="The answer:"), dict(format_reward=0.5),
+                                    dict(reward_fn=["task"]), dict(reward_weights=[2.0])])
+def test_resume_refuses_a_change_of_task_prompt_or_reward(module, change, tiny_model_dir, tmp_path, reward_file):
+    module = __import__(module)
+    size = dict(group_size=4) if module is grpo_lm else {}
+    kw = dict(model_name_or_path=str(tiny_model_dir), runs_dir=str(tmp_path), run_name="run", prompts_per_step=4,
+              max_new_tokens=4, eval_size=4, eval_every=0, sample_every=0, total_steps=1, seed=3, torch_threads=1,
+              reward_fn=["task"] if "reward_weights" in change else [], **size)
+    module.main(module.Args(**kw))
+    flag = common.flag_name(next(iter(change)))
+    with pytest.raises(common.UsageError, match=rf"^{flag}: cannot change when resuming"):
+        module.main(module.Args(**{**kw, **change, "resume": str(tmp_path / "run" / "checkpoint.pt"),
+                                   "total_steps": 2}))
