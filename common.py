@@ -281,6 +281,7 @@ FROZEN_DATA = {  # what defines an LM run's data and objective: a resumed run ca
     "dataset": "the run's questions are this file's",
     "prompt_field": "the run's questions are this field's",
     "answer_field": "the run's answers are this field's",
+    "max_prompt_length": "the run trains on the questions whose prompts fit it",
     "answer_format": "the run's prompts and rewards are in this format",
     "system_prompt": "every prompt of the run starts with it",
     "response_prefix": "every answer of the run starts with it",

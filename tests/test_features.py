@@ -166,7 +166,7 @@ def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp
 
 @pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
 @pytest.mark.parametrize("change", [dict(task="multistep"), dict(answer_format="think"), dict(system_prompt="Be brief."),
-                                    dict(response_prefix="The answer:"), dict(format_reward=0.5),
+                                    dict(response_prefix="The answer:"), dict(format_reward=0.5), dict(max_prompt_length=100),
                                     dict(reward_fn=["task"]), dict(reward_weights=[2.0])])
 def test_resume_refuses_a_change_of_task_prompt_or_reward(module, change, tiny_model_dir, tmp_path, reward_file):
     module = __import__(module)
