@@ -110,7 +110,7 @@ def _split(problems: list[dict], num_test: int, what: str) -> tuple[list[dict], 
 def make_addition_task(
     num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234
 ) -> Task:
-    """ "What is a + b?" for two-digit a and b: 8,100 problems, the held-out split fixed by the seed."""
+    """8,100 problems "What is a + b?" for two-digit a and b; the split is fixed by the seed."""
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
     problems = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
     random.Random(split_seed).shuffle(problems)
@@ -147,7 +147,7 @@ _JSON = {
 
 
 def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: bool) -> dict | None:
-    """One JSONL line as an example (None when blank); a ValueError or UsageError says what is wrong."""
+    """One JSONL line as an example (None when blank); ValueError or UsageError: what is wrong."""
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -240,7 +240,8 @@ def load_jsonl_task(
     )
     check(
         numeric_answers or not format_reward,
-        "--format-reward: the format bonus (a completion that ends with a number) needs numeric answers",
+        "--format-reward: the format bonus (a completion that ends with a number) "
+        "needs numeric answers",
     )
     examples = []
     try:
@@ -323,8 +324,8 @@ _OPS = {
 
 
 def _arithmetic(node: ast.AST, number: Callable, unary: bool):
-    """Value of an ast of number literals (each through ``number``), ``+ - * /`` and, with ``unary``,
-    unary ``+ -``; ValueError for anything else."""
+    """Value of an ast of number literals (each through ``number``), ``+ - * /`` and, with
+    ``unary``, unary ``+ -``; ValueError for anything else."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return number(node.value)
     if unary and isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
@@ -375,14 +376,14 @@ def countdown_expression(response: str) -> str | None:
 
 
 def countdown_correct(response: str, example: dict) -> bool:
-    """:func:`countdown_expression_correct` of :func:`countdown_expression` (words make it wrong)."""
+    """:func:`countdown_expression_correct` of :func:`countdown_expression` (words: wrong)."""
     expression = countdown_expression(response)
     return expression is not None and countdown_expression_correct(expression, example)
 
 
 def countdown_expression_correct(expression: str, example: dict) -> bool:
-    """All of ``expression`` uses each of ``example["numbers"]`` once and equals ``example["target"]``
-    exactly; each ``= ...`` after it must be an expression of the same value."""
+    """All of ``expression`` uses each of ``example["numbers"]`` once and equals
+    ``example["target"]`` exactly; each ``= ...`` after it must be an expression of that value."""
     first, *claims = expression.split("=")
     parsed = exact_arithmetic_value(first)
     if (
@@ -553,8 +554,8 @@ def make_multistep_task(
 
 
 def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[int]) -> list[int]:
-    """For each end offset in the decoded ``token_ids``, the first token whose decoded prefix reaches
-    it (past the text: the last token)."""
+    """For each end offset in the decoded ``token_ids``, the first token whose decoded prefix
+    reaches it (past the text: the last token)."""
     prefixes = tokenizer.batch_decode(
         [token_ids[: k + 1] for k in range(len(token_ids))], skip_special_tokens=True
     )
@@ -571,12 +572,13 @@ def _checked_scores(
     first: int = 0,
     unit: bool = False,
 ) -> list[float]:
-    """``float(fn(text, example))`` each; UsageError naming ``what`` and the index when ``fn`` raises,
-    returns a non-number (bools count), one not finite in float32, or with ``unit`` not in [0, 1]."""
+    """``float(fn(text, example))`` each; UsageError naming ``what`` and the index when ``fn``
+    raises, returns a non-number (bools count), one not finite in float32, or with ``unit`` one not
+    in [0, 1]."""
     if len(texts) != len(examples):
         raise ValueError(f"{len(texts)} completions for {len(examples)} examples")
     scores = []
-    for i, (text, example) in enumerate(zip(texts, examples), first):
+    for i, (text, example) in enumerate(zip(texts, examples, strict=True), first):
         where = f"on completion {i} ({text[:60]!r})"
         try:
             value = fn(text, example)
@@ -609,7 +611,7 @@ def score_completions(task: Task, completions: list[str], examples: list[dict]) 
 
 
 def score_correct(task: Task, completions: list[str], examples: list[dict]) -> torch.Tensor:
-    """(N,) float32 ``task.correct_fn``, 1.0 for right: the logged accuracy (UsageError as above)."""
+    """(N,) float32 ``task.correct_fn``, 1.0 for right: the logged accuracy (UsageError as above)"""
     what = f"correct_fn of task {task.name!r}"
     return torch.tensor(
         _checked_scores(task.correct_fn, what, completions, examples, unit=True),
@@ -618,8 +620,8 @@ def score_correct(task: Task, completions: list[str], examples: list[dict]) -> t
 
 
 def score_task(task: Task, responses: list[str], examples: list[dict]) -> tuple[torch.Tensor, dict]:
-    """(N,) float32 rewards of ``task.reward_fn``, or of ``task.reward_fns`` with each one's own (N,)
-    rewards by name (:func:`score_reward_fns`; else {})."""
+    """(N,) float32 rewards of ``task.reward_fn``, or of ``task.reward_fns`` with each one's own
+    (N,) rewards by name (:func:`score_reward_fns`; else {})."""
     if task.reward_fns:
         return score_reward_fns(task.reward_fns, responses, examples, task.reward_weights)
     return score_completions(task, responses, examples), {}
@@ -692,9 +694,8 @@ def load_reward_fns(
                 and not k.startswith("_")
                 and getattr(v, "__module__", None) == module.__name__
             ]
-            raise UsageError(
-                f"{where}: {path} has no {name!r}; it defines: {', '.join(defined) or 'no functions'}"
-            )
+            defined = ", ".join(defined) or "no functions"
+            raise UsageError(f"{where}: {path} has no {name!r}; it defines: {defined}")
         fn = getattr(module, name)
         check(callable(fn), f"{where}: is {type(fn).__name__}, not a function")
         try:
@@ -721,9 +722,8 @@ def load_reward_fns(
 def _describe(fn: Callable) -> str:
     """``file:function`` of a function, a partial of one or a callable object (``file:Class``)."""
     inner = fn.func if isinstance(fn, functools.partial) else fn
-    code = getattr(inner, "__code__", None) or getattr(
-        getattr(type(inner), "__call__", None), "__code__", None
-    )
+    call = getattr(type(inner), "__call__", None)  # noqa: B004 - a callable object's method
+    code = getattr(inner, "__code__", None) or getattr(call, "__code__", None)
     name = getattr(inner, "__qualname__", None) or type(inner).__name__
     return f"{code.co_filename}:{name}" if code is not None else name
 
@@ -734,8 +734,8 @@ def score_reward_fns(
     examples: list[dict],
     weights: list[float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``r_i = sum_k weights[k] * f_k(completions[i], examples[i])`` (None: weights 1), (N,) float32,
-    and each ``f_k``'s own (N,) rewards by name. Each returns a real number (True is 1.0).
+    """``r_i = sum_k weights[k] * f_k(completions[i], examples[i])`` (None: weights 1), (N,)
+    float32, and each ``f_k``'s own (N,) rewards by name. Each returns a real number (True: 1.0).
 
     Raises:
         UsageError, one line: a function raises or returns a non-number or non-finite value (naming
@@ -748,10 +748,10 @@ def score_reward_fns(
     names = [name for name, _ in reward_fns]
     check(len(set(names)) == len(names), f"reward function names must be unique, got {names}")
     total, each = [0.0] * len(completions), {}
-    for (name, fn), weight in zip(reward_fns, weights):
+    for (name, fn), weight in zip(reward_fns, weights, strict=True):
         scores = _checked_scores(fn, f"reward function {_describe(fn)}", completions, examples)
         each[name] = torch.tensor(scores, dtype=torch.float32)
-        total = [t + weight * r for t, r in zip(total, scores)]
+        total = [t + weight * r for t, r in zip(total, scores, strict=True)]
     for i, t in enumerate(total):
         check(
             math.isfinite(t),
@@ -777,7 +777,7 @@ def make_task(
 
     --answer-format think reads answers from the ``<answer>`` block and pays ``format_reward`` for
     the format (plain: for ending with a number, or Countdown's answer block). --reward-fn specs
-    replace the reward by their sum weighted by --reward-weights; the spec ``task`` is the task's own.
+    replace the reward by their sum weighted by --reward-weights; the spec ``task``: the task's own.
     Raises UsageError: a bad dataset, reward file or weights (naming flag, file and line).
     """
     plain = format_reward if answer_format == "plain" else 0.0
@@ -843,9 +843,8 @@ def check_task_flags(
     _reward_weights(list(reward_weights) or None, len(reward_fns))  # finite
     check(
         not reward_fns or "task" in reward_fns or format_reward == 0,
-        "--format-reward: is paid by the task's "
-        "own reward, which --reward-fn replaces; add `--reward-fn task` to keep it (or score the format in "
-        "your own function)",
+        "--format-reward: is paid by the task's own reward, which --reward-fn replaces; add "
+        "`--reward-fn task` to keep it (or score the format in your own function)",
     )
     check(
         list(reward_fns).count("task") <= 1,
@@ -874,8 +873,8 @@ def check_task_flags(
 def check_split(
     task: Task, prompts_per_step: int, eval_size: int, dataset: str | None = None
 ) -> None:
-    """UsageError (naming --dataset or --eval-size) unless ``prompts_per_step`` training questions are
-    left once ``eval_size`` are held out."""
+    """UsageError (naming --dataset or --eval-size) unless ``prompts_per_step`` training questions
+    are left once ``eval_size`` are held out."""
     flag = f"--dataset: {dataset}" if dataset else f"--eval-size {eval_size}"
     check(
         len(task.train) >= prompts_per_step,
@@ -949,7 +948,7 @@ def prompts_that_fit(
     ids = prompt_ids(
         tokenizer, [ex["question"] for ex in task.train], system_prompt, response_prefix
     )
-    train = [ex for ex, n in zip(task.train, map(len, ids)) if n <= max_prompt_length]
+    train = [ex for ex, n in zip(task.train, map(len, ids), strict=True) if n <= max_prompt_length]
     check(
         len(train) >= prompts_per_step,
         f"--max-prompt-length {max_prompt_length}: only {len(train)} "
@@ -975,7 +974,7 @@ def greedy_accuracy(
     """(fraction of ``examples`` that ``correct_fn`` finds right, responses) with greedy decoding.
 
     Prompts as :func:`prompt_style` and :func:`build_prompt` make them; a response is
-    ``response_prefix`` + completion. UsageError: ``correct_fn`` fails (as in :func:`score_correct`).
+    ``response_prefix`` + completion. UsageError: ``correct_fn`` fails (as :func:`score_correct`).
     """
     system_prompt, response_prefix = prompt_style(answer_format, system_prompt, response_prefix)
     correct, outputs = 0, []
