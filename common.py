@@ -27,13 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from tasks import Task
 
 
 # ----------------------------------------------------------------------------------------------
@@ -909,17 +906,18 @@ def score_with_reward_model(reward_model, input_ids: torch.Tensor, attention_mas
                           for i in range(0, len(input_ids), batch_size)])
 
 
-def held_out_accuracy(policy, tokenizer, task: Task, args: Any, device, greedy_accuracy: Callable) -> tuple[float, list[str]]:
+def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device, greedy_accuracy: Callable) -> tuple[float, list[str]]:
     """The greedy accuracy of ``policy`` on the --eval-size held-out questions, with the run's prompt style, under
     --bf16's autocast; returns (accuracy, completions). Training's evaluations and --eval-only both call it.
-    ``greedy_accuracy`` is :func:`tasks.greedy_accuracy`, passed in: tasks.py imports this file."""
+    ``task`` is a :class:`tasks.Task`, ``greedy_accuracy`` :func:`tasks.greedy_accuracy`: passed in, as tasks.py
+    imports this file (and ppo_continuous.py, which imports this file, needs no tasks.py)."""
     with bf16_autocast(device, args.bf16):
         return greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn, args.max_new_tokens,
                                args.eval_batch_size, device, args.system_prompt, args.response_prefix, task.name,
                                args.answer_format)
 
 
-def report_accuracy(policy, tokenizer, task: Task, args: Any, device, out_path: str | os.PathLike, source: dict,
+def report_accuracy(policy, tokenizer, task: Any, args: Any, device, out_path: str | os.PathLike, source: dict,
                     greedy_accuracy: Callable) -> float:
     """``--eval-only``: the greedy held-out accuracy of a saved model (:func:`held_out_accuracy`), printed and
     written to ``out_path`` as JSON (with ``source``, what was evaluated, and the first completions).
@@ -1292,7 +1290,7 @@ def load_trained_weights(policy, weights: dict) -> None:
         policy.load_state_dict(weights)
 
 
-def eval_only(args: Any, task: Task, tokenizer, checkpoint: dict | None, run_dir: Path, greedy_accuracy: Callable) -> dict:
+def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir: Path, greedy_accuracy: Callable) -> dict:
     """--eval-only: the greedy held-out accuracy of the --resume checkpoint's policy (its adapters with --lora-rank),
     or of --model-name-or-path, written to ``eval_step{N}.json`` / ``eval.json`` in the run directory; no training.
     Returns the history ``{"eval/accuracy": [accuracy]}``.
@@ -1360,7 +1358,7 @@ class RunLog:
             self.writer.close()
 
 
-def evaluate(policy, tokenizer, task: Task, args: Any, device, log: RunLog, step: int, greedy_accuracy: Callable) -> None:
+def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step: int, greedy_accuracy: Callable) -> None:
     """Greedy held-out accuracy on --eval-size questions (rank 0), before training, every --eval-every steps and
     at the end."""
     from tqdm.auto import tqdm
