@@ -222,6 +222,12 @@ def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0]
 
 
+def _one_line(text: Any, limit: int = 200) -> str:
+    """``str(text)`` with every run of whitespace (newlines included) made one space, cut to ``limit`` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def check_checkpoint_script(ckpt: Any, path: str | os.PathLike, args_cls: type, script: str | None = None,
                             flag: str = "--resume") -> dict:
     """The flags a checkpoint was written with (its ``"args"`` dict), after checking it is this script's and that
@@ -855,734 +861,6 @@ def save_pretrained(model, tokenizer, out_dir: str | os.PathLike, source: str) -
 
 
 # ----------------------------------------------------------------------------------------------
-# Verifiable tasks: prompts, answers, reward functions. Model text is parsed, never evaluated.
-# ----------------------------------------------------------------------------------------------
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def extract_final_number(text: str) -> float | None:
-    """The last number written in ``text`` (``1,234`` and ``-3.5`` allowed), or None.
-
-    Pure string parsing: the model's text is never evaluated.
-    """
-    matches = _NUMBER.findall(text)
-    if not matches:
-        return None
-    try:
-        return float(matches[-1].replace(",", ""))
-    except ValueError:
-        return None
-
-
-@dataclasses.dataclass
-class Task:
-    """A verifiable task: questions with reference answers and a reward function.
-
-    ``reward_fn(completion, example) -> float`` scores one decoded completion against one example
-    (a dict with at least ``question`` and ``answer``); ``correct_fn(completion, example) -> bool``
-    says whether its final answer is right (logged as accuracy; a number in [0, 1] is accepted too).
-    Both see the full response (``--response-prefix`` + completion). Bring your own by building one:
-    :func:`score_completions`, :func:`score_correct` and :func:`greedy_accuracy` check what they return.
-    """
-
-    name: str
-    train: list[dict]
-    test: list[dict]
-    reward_fn: Callable[[str, dict], float]
-    correct_fn: Callable[[str, dict], bool]
-    reward_fns: list[tuple[str, Callable[[str, dict], float]]] | None = None
-    """--reward-fn: the reward is the weighted sum of these (name, function) pairs instead of ``reward_fn``"""
-    reward_weights: list[float] | None = None
-    """their weights (None: 1 each)"""
-
-
-def number_matches(completion: str, example: dict) -> bool:
-    """True when the last number in ``completion`` equals ``example["answer"]`` numerically."""
-    value = extract_final_number(completion)
-    return value is not None and abs(value - float(example["answer"])) < 1e-6
-
-
-def outcome_reward(completion: str, example: dict, format_reward: float = 0.0) -> float:
-    """1 for a correct final number, plus ``format_reward`` when the completion ends with a number."""
-    reward = float(number_matches(completion, example))
-    if format_reward and re.search(r"\d\.?$", completion.strip()):
-        reward += format_reward
-    return reward
-
-
-def _split(problems: list[dict], num_test: int, what: str) -> tuple[list[dict], list[dict]]:
-    """(train, test): the first ``num_test`` problems are held out; at least one must be left to train on."""
-    check(num_test >= 0, f"--eval-size must be >= 0, got {num_test}")
-    check(num_test < len(problems), f"--eval-size {num_test}: {what} has {len(problems)} problems; "
-          f"hold out fewer so that some are left to train on")
-    return problems[num_test:], problems[:num_test]
-
-
-def make_addition_task(num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234) -> Task:
-    """"What is a + b?" for two-digit a and b: 8,100 problems, a fixed held-out split of ``num_test``.
-
-    The split depends only on ``split_seed``, so every run is evaluated on the same problems.
-    Raises:
-        UsageError: ``num_test`` leaves no problem to train on (or is negative).
-    """
-    problems = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
-    random.Random(split_seed).shuffle(problems)
-    reward = functools.partial(outcome_reward, format_reward=format_reward)
-    return Task("addition", *_split(problems, num_test, "task 'addition'"), reward, number_matches)
-
-
-# A number the built-in reward can compare: 45, -3.5, 1,234 (thousands separators, removed on load).
-_DECIMAL = re.compile(r"-?(?:[0-9]+|[0-9]{1,3}(?:,[0-9]{3})+)(?:\.[0-9]+)?")
-_JSON_TYPE = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-              bool: "true/false", type(None): "null"}
-
-
-def _one_line(text: Any, limit: int = 200) -> str:
-    """``str(text)`` with every run of whitespace (newlines included) made one space, cut to ``limit`` characters."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_text(text: str, what: str) -> None:
-    """Raise a one-line UsageError naming ``what`` unless ``text`` is valid Unicode that a tokenizer can take.
-
-    Hugging Face tokenizers reject (with a ``TypeError`` from deep inside ``tokenizers``) a ``str``
-    holding a lone surrogate (U+D800..U+DFFF), which JSON's ``\\ud800`` escapes and undecodable
-    command-line bytes produce; NUL and other code points pass. Use it for prompt-side flags too:
-    ``check_text(args.system_prompt, "--system-prompt")``.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UsageError(f"{what}: contains a lone surrogate {text[e.start]!r} at character {e.start + 1}, "
-                         f"which is not valid Unicode text (a tokenizer cannot take it)") from None
-
-
-def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric_answers: bool) -> dict | None:
-    """One JSONL line as an example dict (None for a blank line); a ValueError's message says what is wrong."""
-    import math
-
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1}); expected a JSON Lines "
-                         f"text file, one JSON object per line") from None
-    if not text.strip():
-        return None
-    try:
-        row = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"expected a JSON object {{...}}, got {_JSON_TYPE.get(type(row), type(row).__name__)}")
-    for field, role, flag in ((prompt_field, "the prompt", "--prompt-field"), (answer_field, "the answer", "--answer-field")):
-        if field not in row:
-            fields = ", ".join(repr(k) for k in list(row)[:8]) or "none"
-            raise ValueError(f"no field {field!r} ({role}; choose the field with {flag}); its fields: {fields}")
-    prompt, answer = row[prompt_field], row[answer_field]
-    if not isinstance(prompt, str):
-        raise ValueError(f"field {prompt_field!r} (the prompt) must be a string, got {_JSON_TYPE.get(type(prompt))}")
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        raise ValueError(f"field {answer_field!r} (the answer) must be a string or a number, got {_JSON_TYPE.get(type(answer))}")
-    for field, value in ((prompt_field, prompt), (answer_field, answer)):
-        if isinstance(value, str):
-            try:
-                check_text(value, f"field {field!r}")
-            except UsageError as e:
-                raise ValueError(str(e)) from None
-    if not prompt.strip():
-        raise ValueError(f"field {prompt_field!r} (the prompt) is empty")
-    solution = None
-    if isinstance(answer, str):
-        solution, sep, final = answer.rpartition("####")
-        solution, final = (solution.strip(), final.strip()) if sep else (None, answer.strip())
-    elif math.isfinite(answer):
-        final = str(answer) if isinstance(answer, int) else np.format_float_positional(answer, trim="-")
-    else:
-        raise ValueError(f"field {answer_field!r} (the answer) is {answer}, not a finite number")
-    if _DECIMAL.fullmatch(final):
-        final = final.replace(",", "")
-    elif numeric_answers:
-        raise ValueError(f"answer {_one_line(final, 60)!r} is not a number; the built-in reward compares numbers, so "
-                         f"expected one such as '45', '-3.5' or '1,234', alone or after GSM8K's '####' "
-                         f"(answers that are not numbers need your own --reward-fn)")
-    elif not _normalise_answer_text(final):
-        raise ValueError(f"answer {_one_line(final, 60)!r} has no text to compare")
-    example = {**row, "question": prompt, "answer": final}
-    if solution is not None:
-        example["solution"] = solution
-    return example
-
-
-def load_jsonl_task(path: str | os.PathLike, num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234,
-                    prompt_field: str = "question", answer_field: str = "answer", numeric_answers: bool = True,
-                    flag: str = "--dataset") -> Task:
-    """Any JSON Lines file, one object a line, with a prompt and an answer field, as a :class:`Task`.
-
-    Each non-blank line becomes the example ``{**row, "question": row[prompt_field], "answer": final}``
-    (the scripts prompt with ``example["question"]``; reward functions see every field of the row). The
-    answer is a number or a string: GSM8K's ``"... #### 45"`` gives ``final = "45"`` and adds the text
-    before ``####`` as ``example["solution"]``; any other string is the final answer itself. A numeric
-    final answer (``45``, ``-3.5``, ``1,234``) is stored without thousands separators.
-
-    With ``numeric_answers`` (the built-in reward, :func:`outcome_reward` with :func:`number_matches`)
-    every final answer must be such a number. Without it (your own reward function reads the example)
-    any non-empty answer is kept as a string, the reward is 1.0 when :func:`answer_text_matches` and
-    ``correct_fn`` is :func:`answer_text_matches`.
-
-    The file is read line by line, as bytes, so that each error can name its line. The held-out split is
-    ``num_test`` examples drawn with ``split_seed``; the rest is for training.
-    Raises:
-        UsageError, one line ``{flag}: {path}:{line}: ...``: the file is missing or unreadable; a line is
-            not UTF-8 (a binary file), not valid JSON or not an object; the prompt or answer field is
-            missing, of the wrong type, holds a lone surrogate or an empty prompt; an answer is not a
-            number while ``numeric_answers``; too few examples to hold ``num_test`` out and train on the
-            rest; ``format_reward`` (a bonus for ending with a number) without ``numeric_answers``.
-    """
-    path = Path(path)
-    check(path.is_file(), f"{flag}: dataset file {path} does not exist" if not path.exists()
-          else f"{flag}: {path} is not a file; expected a JSON Lines file")
-    check(numeric_answers or not format_reward,
-          "--format-reward: the format bonus (a completion that ends with a number) needs numeric answers")
-    examples = []
-    try:
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                try:
-                    example = _jsonl_example(line.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else line,
-                                             prompt_field, answer_field, numeric_answers)
-                except ValueError as e:
-                    raise UsageError(f"{flag}: {path}:{lineno}: {e}") from None
-                if example is not None:
-                    examples.append(example)
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot read {path}: {e.strerror or e}") from None
-    check(len(examples) > num_test, f"{flag}: {path} has {len(examples)} examples; need more than the {num_test} "
-          f"held out (--eval-size), to leave some to train on")
-    random.Random(split_seed).shuffle(examples)
-    if numeric_answers:
-        return Task(path.stem, examples[num_test:], examples[:num_test],
-                    functools.partial(outcome_reward, format_reward=format_reward), number_matches)
-    return Task(path.stem, examples[num_test:], examples[:num_test], _text_reward, answer_text_matches)
-
-
-def load_gsm8k_jsonl(path: str | os.PathLike, num_test: int = 128, format_reward: float = 0.0,
-                     split_seed: int = 1234, flag: str = "--dataset") -> Task:
-    """A GSM8K-format JSONL file: one ``{"question": ..., "answer": "... #### N"}`` object a line.
-
-    :func:`load_jsonl_task` with its defaults (fields ``question``/``answer``, numeric answers); the
-    held-out split is ``num_test`` lines drawn with ``split_seed``. Raises what it raises.
-    """
-    return load_jsonl_task(path, num_test, format_reward, split_seed, flag=flag)
-
-
-def _normalise_answer_text(text: str) -> str:
-    """Case-folded, whitespace collapsed, surrounding spaces, quotes and ``. , ; : ! ?`` removed."""
-    return " ".join(text.casefold().split()).strip(" .,;:!?\"'`")
-
-
-def answer_text_matches(completion: str, example: dict) -> bool:
-    """The correct_fn for answers that need not be numbers (``load_jsonl_task(numeric_answers=False)``).
-
-    The final text is the ``<answer>`` block of ``completion`` when it has one
-    (:func:`extract_answer_block`), else the whole completion. A numeric ``example["answer"]`` is
-    compared as :func:`number_matches` does (the last number of the final text). Any other answer
-    matches when the normalised final text (case-folded, whitespace collapsed, surrounding quotes and
-    ``. , ; : ! ?`` dropped) ends with the normalised answer at a word boundary: for the answer
-    ``"Paris"``, ``"The capital is Paris."`` matches, ``"Parisian"`` and ``"not Paris, Rome"`` do not.
-    """
-    block = extract_answer_block(completion)
-    final = completion if block is None else block
-    answer = str(example["answer"])
-    if _DECIMAL.fullmatch(answer):
-        return number_matches(final, {"answer": answer.replace(",", "")})
-    final, answer = _normalise_answer_text(final), _normalise_answer_text(answer)
-    return bool(answer) and final.endswith(answer) and (len(final) == len(answer) or not final[-len(answer) - 1].isalnum())
-
-
-def _text_reward(completion: str, example: dict) -> float:
-    """1.0 when :func:`answer_text_matches`, else 0.0."""
-    return float(answer_text_matches(completion, example))
-
-
-def build_prompt(tokenizer, question: str, system_prompt: str | None = None, response_prefix: str = "") -> str:
-    """The prompt text for ``question``: the tokenizer's chat template when it has one, then ``response_prefix``.
-
-    With a chat template: a system message ``system_prompt`` (when not None or empty) and the user
-    message ``question``, rendered with the generation prompt (the header of the assistant's turn). A
-    template that rejects a system message (raises, as some do: "System role not supported") or drops
-    it (its text is missing from the rendered prompt) gets ``system_prompt`` as the first paragraph of
-    the user message instead: ``"{system_prompt}\\n\\n{question}"``.
-    Without a template: ``"Question: {question}\\nAnswer:"``, after ``"{system_prompt}\\n\\n"`` when given.
-
-    ``response_prefix`` (an assistant prefill such as ``"<think>"``) is appended verbatim, so the model
-    continues after it: the response that reward functions and ``correct_fn`` must see is
-    ``response_prefix + completion``. With neither argument the prompt is the same as it always was.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        return (f"{system_prompt}\n\n" if system_prompt else "") + f"Question: {question}\nAnswer:" + response_prefix
-    messages = [{"role": "user", "content": question}]
-    if system_prompt:
-        try:
-            text = tokenizer.apply_chat_template([{"role": "system", "content": system_prompt}, *messages],
-                                                 tokenize=False, add_generation_prompt=True)
-            if system_prompt.strip() in text:
-                return text + response_prefix
-        except Exception:  # noqa: BLE001 - a template without a system role; fall back as documented
-            pass
-        messages = [{"role": "user", "content": f"{system_prompt}\n\n{question}"}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + response_prefix
-
-
-# The reasoning format of DeepSeek-R1 (arXiv 2501.12948, §2.2.2): the whole response is one think block
-# then one answer block, with only white space around and between them.
-_THINK_ANSWER = re.compile(r"\s*<think>(.*)</think>\s*<answer>(.*)</answer>\s*", re.DOTALL)
-THINK_ANSWER_SYSTEM_PROMPT = ("Think about the problem step by step inside <think> </think> tags, then write only "
-                              "the final answer inside <answer> </answer> tags.")
-
-
-def think_answer_format_reward(completion: str, example: dict | None = None) -> float:
-    """1.0 when the whole response has the shape ``<think> ... </think> <answer> ... </answer>``, else 0.0.
-
-    The format reward of DeepSeek-R1 (arXiv 2501.12948, §2.2.2), with the same contract as a task's
-    reward function (``example`` is unused). The response (``--response-prefix`` + completion) must
-    match ``\\s*<think>(.*)</think>\\s*<answer>(.*)</answer>\\s*`` as a whole (``re.DOTALL``: blocks may
-    span lines), hold each of the four tags exactly once (nothing nested, no second block) and some
-    non-space text in the answer block; the think block may be empty. Tags are lower case, as written.
-    """
-    if any(completion.count(tag) != 1 for tag in ("<think>", "</think>", "<answer>", "</answer>")):
-        return 0.0
-    match = _THINK_ANSWER.fullmatch(completion)
-    return float(match is not None and bool(match.group(2).strip()))
-
-
-_ANSWER_BLOCK = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
-
-
-def extract_answer_block(text: str) -> str | None:
-    """The text inside the last ``<answer> ... </answer>`` block of ``text``, stripped; None if there is none.
-
-    "Last" counts closing tags: in ``<answer> a <answer> b </answer>`` the block is ``b``.
-    """
-    blocks = _ANSWER_BLOCK.findall(text)
-    return blocks[-1].strip() if blocks else None
-
-
-def with_think_answer_format(task: Task, format_weight: float = 0.1) -> Task:
-    """``task`` answered in the think/answer format: its checks read only the ``<answer>`` block.
-
-    The returned task has the same name and problems; for a response (prefix + completion):
-    ``reward = task.reward_fn(answer block, example) + format_weight * think_answer_format_reward(response)``,
-    with 0.0 for the first term when there is no answer block, and ``correct_fn`` is
-    ``task.correct_fn(answer block, example)``, False without a block. ``format_weight`` 0.1 follows
-    TinyZero's format score (a tenth of a correct answer); DeepSeek-R1 does not publish its weights.
-    ``task``'s functions get the block's text, tags stripped: ones that look for an answer anywhere in a
-    response must be given in a form that reads the whole text as the answer (Countdown:
-    ``make_countdown_task(answer_format="think")``).
-    """
-    return Task(task.name, task.train, task.test, functools.partial(_answer_block_reward, task.reward_fn, format_weight),
-                functools.partial(_answer_block_correct, task.correct_fn))
-
-
-def _answer_block_reward(reward_fn: Callable[[str, dict], float], format_weight: float, response: str, example: dict) -> float:
-    block = extract_answer_block(response)
-    return (0.0 if block is None else reward_fn(block, example)) + format_weight * think_answer_format_reward(response)
-
-
-def _answer_block_correct(correct_fn: Callable[[str, dict], bool], response: str, example: dict) -> bool:
-    block = extract_answer_block(response)
-    return block is not None and correct_fn(block, example)
-
-
-# ---- Countdown (as TinyZero, nano-aha-moment and GRPO-Zero ship it): make a target from given numbers ----
-def _arithmetic(node, number: Callable[[Any], Any], unary: bool):
-    """Value of an :mod:`ast` expression made only of number literals, ``+ - * /`` and, with ``unary``, unary ``+ -``.
-
-    ``number`` converts each int or float literal (``float`` or an exact ``Fraction``) and raises
-    ValueError to refuse one. Anything else raises ValueError; dividing by zero ZeroDivisionError.
-    Nothing is ever evaluated as Python.
-    """
-    import ast
-
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return number(node.value)
-    if unary and isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        v = _arithmetic(node.operand, number, unary)
-        return -v if isinstance(node.op, ast.USub) else v
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
-        a, b = _arithmetic(node.left, number, unary), _arithmetic(node.right, number, unary)
-        if isinstance(node.op, ast.Add):
-            return a + b
-        if isinstance(node.op, ast.Sub):
-            return a - b
-        return a * b if isinstance(node.op, ast.Mult) else a / b
-    raise ValueError("not arithmetic")
-
-
-def _integer_fraction(literal: Any):
-    from fractions import Fraction
-
-    if type(literal) is not int:
-        raise ValueError("not an integer")
-    return Fraction(literal)
-
-
-_COUNTDOWN_CHARS = frozenset("0123456789+-*/() ")
-_NOT_COUNTDOWN = re.compile(r"[^0-9+\-*/()×÷= \t]+")
-
-
-def exact_arithmetic_value(text: str, max_length: int = 1000):
-    """``(value, literals)`` of an expression of integers, ``+ - * /`` and parentheses, or None.
-
-    ``×`` and ``÷`` are read as ``*`` and ``/``. The text is parsed with :mod:`ast`, never evaluated:
-    only integer literals (no ``3.5``, ``1e3``, ``1_0``, ``07``), the four binary operators and
-    parentheses are allowed; no unary minus (each given number is used as itself), no ``**``, ``//``,
-    ``%``, names or calls. White space of any kind (new lines, carriage returns, tabs) separates tokens as a
-    space does, so an expression may span lines (``(3 + 5) * 2\n- 7``). The value is an exact
-    ``fractions.Fraction`` (``(1/3 - 1/5) * 15`` is 2, where floats give 2.0000000000000004); ``literals``
-    are the integers as written, left to right. None for anything else, for a division by zero, and for
-    text over ``max_length`` characters once its white space is collapsed (so that no answer can make the
-    parser or the arithmetic slow).
-    """
-    import ast
-
-    text = " ".join(text.replace("×", "*").replace("÷", "/").split())  # one line: ast would stop at a new line
-    if not text or len(text) > max_length or not set(text) <= _COUNTDOWN_CHARS:
-        return None
-    try:
-        tree = ast.parse(text, mode="eval").body
-        value = _arithmetic(tree, _integer_fraction, unary=False)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
-        return None
-    literals = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Constant)), key=lambda n: n.col_offset)
-    return value, [n.value for n in literals]
-
-
-def countdown_expression(response: str) -> str | None:
-    """The expression a Countdown response gives as its answer, or None.
-
-    The ``<answer>`` block when there is one (:func:`extract_answer_block`); otherwise, as a fallback for
-    responses without tags, the last run of arithmetic characters (digits, ``+ - * / × ÷ ( ) =`` and
-    spaces) with a digit in it on the last non-empty line: ``"Step 2: 5 * 3 = 15"`` gives ``"5 * 3 = 15"``.
-    """
-    block = extract_answer_block(response)
-    if block is not None:
-        return block
-    lines = [line for line in response.splitlines() if line.strip()]
-    runs = [run for run in _NOT_COUNTDOWN.split(lines[-1]) if any(c.isdigit() for c in run)] if lines else []
-    return runs[-1].strip() if runs else None
-
-
-def countdown_correct(response: str, example: dict) -> bool:
-    """True when the response's expression (:func:`countdown_expression`: its ``<answer>`` block, else the last
-    arithmetic on its last line) is correct by :func:`countdown_expression_correct`.
-
-    So words in the answer block, or a line of working before the expression in it, make the answer not correct.
-    """
-    expression = countdown_expression(response)
-    return expression is not None and countdown_expression_correct(expression, example)
-
-
-def countdown_expression_correct(expression: str, example: dict) -> bool:
-    """True when the whole of ``expression`` uses each of ``example["numbers"]`` exactly once and equals ``example["target"]``.
-
-    Read by :func:`exact_arithmetic_value` (exact rational arithmetic: intermediate fractions are allowed,
-    the final value must equal the target exactly; it may span lines). It may be followed by ``= value``
-    parts (``(3 + 5) * 2 - 7 = 9``); each must then be an expression with that same value. Anything else
-    (another number, a number used twice or not at all, words, a division by zero) is not correct.
-    """
-    first, *claims = expression.split("=")
-    parsed = exact_arithmetic_value(first)
-    if parsed is None or sorted(parsed[1]) != sorted(example["numbers"]) or parsed[0] != example["target"]:
-        return False
-    return all((claim := exact_arithmetic_value(side)) is not None and claim[0] == parsed[0]
-               for side in claims if side.strip())
-
-
-def countdown_reward(response: str, example: dict, format_reward: float = 0.1) -> float:
-    """1.0 for a correct expression (:func:`countdown_correct`), plus ``format_reward`` when the response has an ``<answer>`` block.
-
-    TinyZero scores Countdown 1.0 when correct, else 0.1 for an answer in tags; here the two add up (1.1 for a
-    correct answer in tags, 1.0 without tags, 0.1 for tags around a wrong one), as :func:`outcome_reward`
-    adds its format bonus, so the tags are worth learning even when the fallback reads a correct answer.
-    """
-    return float(countdown_correct(response, example)) + (format_reward if extract_answer_block(response) is not None else 0.0)
-
-
-def _random_countdown_expression(rng: random.Random, numbers: list[int], cap: int) -> tuple[int, str]:
-    """Combine the numbers in a random order with random operators; every intermediate value a positive integer.
-
-    Returns the value and the expression (sub-expressions in parentheses). ``+`` can always be drawn,
-    ``*`` only when the product is at most ``cap``, ``-`` only when the result stays positive, ``/``
-    only when it divides exactly (and not by 1).
-    """
-    pool = [(n, str(n)) for n in numbers]
-    while len(pool) > 1:
-        a, left = pool.pop(rng.randrange(len(pool)))
-        b, right = pool.pop(rng.randrange(len(pool)))
-        op = rng.choice(["+"] + ["*"] * (a * b <= cap) + ["-"] * (a > b) + ["/"] * (b > 1 and a % b == 0))
-        value = a + b if op == "+" else a * b if op == "*" else a - b if op == "-" else a // b
-        left, right = (e if e.isdigit() else f"({e})" for e in (left, right))
-        pool.append((value, f"{left} {op} {right}"))
-    return pool[0]
-
-
-def make_countdown_task(num_test: int = 128, format_reward: float = 0.1, split_seed: int = 1234,
-                        num_problems: int = 10_000, num_numbers: int = 4, max_number: int = 99,
-                        max_target: int = 100, answer_format: str = "plain") -> Task:
-    """The Countdown game: "Using the numbers [a, b, c, d] once each with + - * /, make T"; a fixed held-out split.
-
-    Generated offline from ``split_seed`` (as :func:`make_multistep_task`), so every run trains and is
-    evaluated on the same problems: ``num_numbers`` numbers drawn uniformly from 1..``max_number``, then a
-    random expression over all of them (:func:`_random_countdown_expression`, products at most
-    10 * ``max_target``) whose value, an integer in 1..``max_target``, is the target; so every
-    problem is solvable, and ``example["solution"]`` holds one solution. No (numbers, target) pair
-    occurs twice, so no held-out problem is trained on. The prompt asks for reasoning in ``<think>``
-    tags and the bare expression in ``<answer>`` tags, as TinyZero's and nano-aha-moment's do. Each
-    example: ``question``, ``numbers``, ``target``, ``answer`` (``str(target)``) and ``solution``.
-
-    Reward :func:`countdown_reward` (1.0 correct + ``format_reward`` for an answer block; pass 0 to
-    score correctness alone), correct_fn :func:`countdown_correct`. ``answer_format="think"`` gives the task
-    to wrap with :func:`with_think_answer_format`, which hands its functions the ``<answer>`` block's text:
-    both then read that whole text as the expression (:func:`countdown_expression_correct`, reward 1.0 or 0.0;
-    the wrapper pays the format), as plain mode reads a block, where the plain functions would fall back to the
-    last arithmetic on the text's last line (and count ``<answer>The answer is (1 + 2) * 3</answer>``).
-    Raises:
-        UsageError: fewer than 2 numbers, a bound below 1, more problems asked for than these bounds
-            allow (after 100 draws per problem), or ``num_test`` leaving no problem to train on.
-    """
-    check(num_numbers >= 2, f"--task countdown: needs at least 2 numbers per problem, got {num_numbers}")
-    check(max_number >= 1 and max_target >= 1, "--task countdown: the largest number and target must be >= 1")
-    rng = random.Random(split_seed)
-    problems, seen = [], set()
-    for _ in range(100 * num_problems):
-        if len(problems) == num_problems:
-            break
-        numbers = [rng.randint(1, max_number) for _ in range(num_numbers)]
-        target, solution = _random_countdown_expression(rng, numbers, cap=10 * max_target)
-        if not 1 <= target <= max_target or (tuple(sorted(numbers)), target) in seen:
-            continue
-        seen.add((tuple(sorted(numbers)), target))
-        question = (f"Using the numbers {numbers} once each with + - * / and parentheses, make {target}. Show your "
-                    f"reasoning in <think> </think> tags, then write only the expression in <answer> </answer> tags, "
-                    f"for example <answer> (1 + 2) * 3 </answer>.")
-        problems.append({"question": question, "answer": str(target), "numbers": numbers, "target": target,
-                         "solution": solution})
-    check(len(problems) == num_problems, f"--task countdown: only {len(problems)} distinct problems of {num_numbers} "
-          f"numbers up to {max_number} with targets up to {max_target} found in {100 * num_problems} draws; "
-          f"ask for fewer than {num_problems}")
-    split = _split(problems, num_test, "task 'countdown'")
-    if answer_format == "think":
-        return Task("countdown", *split, _countdown_block_reward, countdown_expression_correct)
-    return Task("countdown", *split, functools.partial(countdown_reward, format_reward=format_reward), countdown_correct)
-
-
-def _countdown_block_reward(block: str, example: dict) -> float:
-    return float(countdown_expression_correct(block, example))
-
-
-def make_task(args: Any) -> Task:
-    """The task the LM scripts' flags name: --dataset (a JSONL file, --prompt-field / --answer-field) or the built-in
-    --task; --answer-format think reads answers from the ``<answer>`` block and pays --format-reward for the
-    think/answer format (else --format-reward pays a completion that ends with a number, or Countdown's answer block);
-    --reward-fn replaces the reward by the weighted sum (--reward-weights) of the given functions, where the spec
-    ``task`` stands for the task's own reward (--format-reward included; :func:`check_task_flags` refuses
-    --format-reward with --reward-fn but without ``task``).
-
-    Raises:
-        UsageError: a bad dataset, reward file or weights (one line naming the flag, the file and line).
-    """
-    plain = args.format_reward if args.answer_format == "plain" else 0.0
-    specs = list(args.reward_fn)
-    if args.dataset is not None:
-        numeric = not specs or "task" in specs  # the built-in reward compares numbers; your own need not
-        task = load_jsonl_task(args.dataset, args.eval_size, plain, prompt_field=args.prompt_field,
-                               answer_field=args.answer_field, numeric_answers=numeric)
-    elif args.task == "multistep":
-        task = make_multistep_task(args.eval_size, plain)
-    elif args.task == "countdown":
-        task = make_countdown_task(args.eval_size, plain, answer_format=args.answer_format)
-    else:
-        task = make_addition_task(args.eval_size, plain)
-    if args.answer_format == "think":
-        task = with_think_answer_format(task, args.format_reward)
-    if specs:
-        files = load_reward_fns([s for s in specs if s != "task"])
-        task.reward_fns = [("task", task.reward_fn) if s == "task" else files.pop(0) for s in specs]
-        task.reward_weights = list(args.reward_weights) or None
-    return task
-
-
-def check_task_flags(args: Any) -> None:
-    """The LM scripts' task flags (:func:`make_task`) that can be checked before any file is read: among them
-    --format-reward with --reward-fn but without its ``task`` spec (the format reward is part of the task's own
-    reward) or with a frozen reward model (which scores instead of the task), and two reward functions that would log under one name (``task`` twice, or ``task`` and a function
-    named ``task``).
-
-    Raises:
-        UsageError: one line naming the flag.
-    """
-    check(args.task in ("addition", "multistep", "countdown") or args.dataset is not None,
-          f"--task: unknown task {args.task!r}; built in: 'addition', 'multistep', 'countdown' (or use --dataset)")
-    check(args.answer_format in ("plain", "think"), f"--answer-format must be 'plain' or 'think', not {args.answer_format!r}")
-    check(not args.reward_weights or len(args.reward_weights) == len(args.reward_fn), f"--reward-weights: "
-          f"{len(args.reward_weights)} weights for {len(args.reward_fn)} --reward-fn functions; give one each (or none)")
-    _reward_weights(list(args.reward_weights) or None, len(args.reward_fn))  # finite
-    specs = list(args.reward_fn)
-    check(not specs or "task" in specs or args.format_reward == 0, "--format-reward: is paid by the task's own reward, "
-          "which --reward-fn replaces; add `--reward-fn task` to keep it (or score the format in your own function)")
-    check(specs.count("task") <= 1, "--reward-fn task: given twice; give it once (--reward-weights sets its weight)")
-    named_task = [spec for spec in specs if spec != "task" and spec.rpartition(":")[2] == "task"]
-    if "task" in specs and len(named_task) == 1:  # load_reward_fns names a function alone with its name, as `task` is
-        raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', the name of the task's own reward "
-                         f"(--reward-fn task); rename the function")
-    check(not (args.reward_model_path and args.format_reward and not getattr(args, "train_reward_model", False)),
-          "--format-reward: the frozen reward model scores every completion, so the task's format reward would never "
-          "be paid; drop one of them")
-    check(not (args.reward_fn and args.reward_model_path and not getattr(args, "train_reward_model", False)),
-          "--reward-fn and --reward-model-path are two rewards: pick one (--train-reward-model trains the reward model "
-          "on --reward-fn's rewards)")
-    for flag, text in (("--system-prompt", args.system_prompt or ""), ("--response-prefix", args.response_prefix),
-                       ("--prompt-field", args.prompt_field), ("--answer-field", args.answer_field)):
-        check_text(text, flag)
-    check(args.prompt_field != args.answer_field, "--prompt-field and --answer-field must name two fields")
-
-
-def score_task(task: Task, responses: list[str], examples: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The (N,) float32 rewards of ``responses`` (``--response-prefix`` + completions): the task's reward function,
-    or with --reward-fn the weighted sum of the given ones, with each one's own (N,) rewards by name (else {}).
-
-    Raises:
-        UsageError: a reward function raises or returns a non-number or non-finite value (one line naming it and
-            the completion's index).
-    """
-    if task.reward_fns:
-        return score_reward_fns(task.reward_fns, responses, examples, task.reward_weights)
-    return score_completions(task, responses, examples), {}
-
-
-def check_split(task: Task, prompts_per_step: int, eval_size: int, dataset: str | None = None) -> None:
-    """Enough training questions for one step once ``eval_size`` are held out (before anything loads).
-
-    Raises:
-        UsageError: fewer than ``prompts_per_step`` training questions, naming --dataset or --eval-size.
-    """
-    flag = f"--dataset: {dataset}" if dataset else f"--eval-size {eval_size}"
-    check(len(task.train) >= prompts_per_step, f"{flag}: {len(task.test)} questions held out for evaluation leave "
-          f"{len(task.train)} for training, fewer than --prompts-per-step {prompts_per_step}")
-
-
-def prompt_ids(tokenizer, questions: list[str], system_prompt: str | None = None,
-               response_prefix: str = "") -> list[list[int]]:
-    """The token ids of each question's prompt (:func:`build_prompt`: chat template, system prompt, response prefix),
-    one list per question, no special tokens added (the template has them)."""
-    prompts = [build_prompt(tokenizer, question, system_prompt, response_prefix) for question in questions]
-    return tokenizer(prompts, add_special_tokens=False)["input_ids"]
-
-
-def prompts_that_fit(task: Task, tokenizer, max_prompt_length: int, prompts_per_step: int,
-                     system_prompt: str | None = None, response_prefix: str = "") -> list[dict]:
-    """The training questions whose prompts (:func:`build_prompt`) have at most ``max_prompt_length`` tokens.
-
-    Raises:
-        UsageError: fewer than ``prompts_per_step`` of them (naming --max-prompt-length).
-    """
-    lengths = [len(ids) for ids in prompt_ids(tokenizer, [ex["question"] for ex in task.train], system_prompt,
-                                              response_prefix)]
-    train = [ex for ex, n in zip(task.train, lengths) if n <= max_prompt_length]
-    check(len(train) >= prompts_per_step, f"--max-prompt-length {max_prompt_length}: only {len(train)} "
-          f"training prompts fit, fewer than --prompts-per-step {prompts_per_step}")
-    return train
-
-
-# ----------------------------------------------------------------------------------------------
-# Process supervision plumbing: a multi-step arithmetic task, checkable steps, char -> token offsets
-# ----------------------------------------------------------------------------------------------
-# A term is a number with "(", a minus sign and ")" around it, spaces allowed between them. Written so that
-# no space can be matched by two neighbouring \s* (a sum without "=" took exponential time to reject:
-# 6 s for "1 + 1 + ... apples" with ten terms; two GSM8K training solutions never finished).
-_STEP_NUM = r"\$?\d+(?:,\d{3})*(?:\.\d+)?"
-_STEP_SIGNED = rf"(?:-\s*)?{_STEP_NUM}(?:\s*\)+)?"
-_STEP = re.compile(rf"(?<![\d.])(\(*\s*{_STEP_SIGNED}(?:\s*[-+*/×]\s*(?:\(+\s*)?{_STEP_SIGNED})+)\s*=\s*(-?\s*{_STEP_NUM})")
-
-
-def _arithmetic_value(expr: str) -> float | None:
-    """Value of ``expr`` made of numbers, + - * / and parentheses, or None if it is not one.
-
-    The text is parsed with :mod:`ast` and only number literals, the four operators and unary
-    minus are interpreted (:func:`_arithmetic`, in floats); nothing is ever evaluated as Python.
-    """
-    import ast
-
-    try:
-        return _arithmetic(ast.parse(expr.replace("$", "").replace(",", "").replace("×", "*").strip(), mode="eval").body,
-                           float, unary=True)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-
-
-def find_arithmetic_steps(text: str) -> list[tuple[int, bool]]:
-    """Every equation ``x op y (op z ...) = w`` in ``text``, as (end character offset, correct?).
-
-    A step is a left-hand side of numbers joined by ``+ - * / ×`` (parentheses and ``$`` allowed,
-    ``1,234`` read as 1234) followed by ``= number``; it is correct when the left-hand side equals
-    the number (relative tolerance 1e-4). The end offset is that of the character after the last
-    digit (``re.Match.end()``). GSM8K calculator annotations ``<<48/2=24>>`` count as steps too.
-    """
-    import math
-
-    steps = []
-    for m in _STEP.finditer(text):
-        lhs, rhs = _arithmetic_value(m.group(1)), _arithmetic_value(m.group(2).replace(" ", ""))
-        ok = lhs is not None and rhs is not None and math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
-        steps.append((m.end(), ok))
-    return steps
-
-
-def arithmetic_step_rewards(completion: str, example: dict) -> list[tuple[int, float]]:
-    """Step rewards for process supervision: 1.0 per correct equation, 0.0 per wrong one, at its end offset."""
-    return [(end, float(ok)) for end, ok in find_arithmetic_steps(completion)]
-
-
-def make_multistep_task(num_test: int = 128, format_reward: float = 0.0, split_seed: int = 1234,
-                        num_problems: int = 10_000) -> Task:
-    """"Compute (a + b) * c - d" with one checkable calculation per line; a fixed held-out split.
-
-    a, b, d in 1..20 and c in 2..9; each example also carries the reference ``solution``
-    ("a + b = s", "s * c = p", "p - d = answer", one a line). The reward is the final-number reward.
-    Raises:
-        UsageError: ``num_test`` leaves no problem to train on (or is negative).
-    """
-    rng = random.Random(split_seed)
-    problems, seen = [], set()
-    while len(problems) < num_problems:
-        a, b, c, d = rng.randint(1, 20), rng.randint(1, 20), rng.randint(2, 9), rng.randint(1, 20)
-        if (a, b, c, d) in seen:
-            continue
-        seen.add((a, b, c, d))
-        s, p = a + b, (a + b) * c
-        problems.append({"question": f"Compute ({a} + {b}) * {c} - {d}. Write each calculation on its own line "
-                                     f"in the form x + y = z, and end with the result.",
-                         "answer": str(p - d), "solution": f"{a} + {b} = {s}\n{s} * {c} = {p}\n{p} - {d} = {p - d}"})
-    reward = functools.partial(outcome_reward, format_reward=format_reward)
-    return Task("multistep", *_split(problems, num_test, "task 'multistep'"), reward, number_matches)
-
-
-def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[int]) -> list[int]:
-    """Index of the token in which each character offset ``char_ends[k]`` (exclusive end) falls.
-
-    The decoded text of ``token_ids`` is the one the steps were found in; the token that completes
-    character ``end - 1`` is the first whose decoded prefix ``decode(token_ids[:k + 1])`` has at
-    least ``end`` characters. Offsets past the text map to the last token.
-    """
-    import bisect
-
-    prefix_lengths = [len(t) for t in tokenizer.batch_decode([token_ids[: k + 1] for k in range(len(token_ids))],
-                                                             skip_special_tokens=True)]
-    return [min(bisect.bisect_left(prefix_lengths, end), len(token_ids) - 1) for end in char_ends]
-
-
-# ----------------------------------------------------------------------------------------------
 # Rewards and evaluation shared by the LM scripts
 # ----------------------------------------------------------------------------------------------
 def pad_left(sequences: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1598,199 +876,6 @@ def pad_left(sequences: list[list[int]], pad_token_id: int, device=None) -> tupl
     ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], device=device)
     att = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
     return ids, att
-
-
-def _checked_scores(fn: Callable[[str, dict], Any], what: str, texts: list[str], examples: list[dict],
-                    first_index: int = 0, unit: bool = False) -> list[float]:
-    """``float(fn(text, example))`` for each pair; any failure of the user's code is one UsageError line.
-
-    The line names ``what`` and the completion's index (``first_index`` + its position in ``texts``):
-    ``fn`` raised, returned something that is not a real number (a bool is one: True is 1.0, as in
-    Python's arithmetic), or a value that is not finite in float32 (NaN, inf, 1e39), or with ``unit`` a
-    value outside [0, 1].
-    """
-    import math
-    import numbers
-
-    if len(texts) != len(examples):
-        raise ValueError(f"{len(texts)} completions for {len(examples)} examples")
-    scores = []
-    for i, (text, example) in enumerate(zip(texts, examples), first_index):
-        where = f"on completion {i} ({text[:60]!r})"
-        try:
-            value = fn(text, example)
-        except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
-            raise UsageError(f"{what} raised {type(e).__name__}: {_one_line(e)} {where}") from None
-        if not isinstance(value, (numbers.Real, np.bool_)):
-            raise UsageError(f"{what} returned {type(value).__name__} {where}; expected "
-                             f"{'True/False' if unit else 'a number (float)'}")
-        try:
-            value = float(value)
-        except OverflowError:  # an int too large for a float
-            value = math.inf
-        if not abs(value) <= np.finfo(np.float32).max or (unit and not 0 <= value <= 1):  # rewards are float32
-            expected = "True/False or a number in [0, 1]" if unit else "a finite number (rewards are float32: |x| <= 3.4e38)"
-            raise UsageError(f"{what} returned {value} {where}; expected {expected}")
-        scores.append(value)
-    return scores
-
-
-def score_completions(task: Task, completions: list[str], examples: list[dict]) -> torch.Tensor:
-    """Verifiable rewards ``task.reward_fn(completion, example)``, (N,) float32.
-
-    Raises:
-        UsageError: the reward function raises, returns a non-number or a non-finite value (one line
-            naming the task and the completion's index in ``completions``).
-    """
-    return torch.tensor(_checked_scores(task.reward_fn, f"reward function of task {task.name!r}", completions, examples),
-                        dtype=torch.float32)
-
-
-def score_correct(task: Task, completions: list[str], examples: list[dict]) -> torch.Tensor:
-    """``task.correct_fn(completion, example)`` as (N,) float32 (1.0 correct, 0.0 wrong): the logged accuracy.
-
-    ``correct_fn`` returns a bool (or a number in [0, 1]).
-    Raises:
-        UsageError: ``correct_fn`` raises or returns anything else (one line naming the task and the
-            completion's index in ``completions``).
-    """
-    return torch.tensor(_checked_scores(task.correct_fn, f"correct_fn of task {task.name!r}", completions, examples,
-                                        unit=True), dtype=torch.float32)
-
-
-_REWARD_FILES: list[str] = []  # the reward files imported so far, one module name each
-
-
-def _reward_weights(weights: list[float] | None, n: int, flag: str = "--reward-weights") -> list[float]:
-    """``weights`` as floats (``None``: 1.0 each); one per reward function and finite, else a UsageError."""
-    import math
-
-    if weights is None:
-        return [1.0] * n
-    check(len(weights) == n, f"{flag}: got {len(weights)} weights for {n} reward functions (--reward-fn); "
-          f"give one weight per function, in the same order")
-    check(all(math.isfinite(w) for w in weights), f"{flag}: weights must be finite numbers, got {list(weights)}")
-    return [float(w) for w in weights]
-
-
-def _import_reward_file(path: Path, where: str):
-    """Import the Python file ``path`` as a new module of its own (registered in ``sys.modules``)."""
-    import importlib.util
-
-    stem = re.sub(r"\W", "_", path.stem)
-    name = f"_reward_file_{len(_REWARD_FILES)}_{stem}"
-    _REWARD_FILES.append(name)
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
-    sys.modules[name] = module  # as a normal import does: dataclasses and pickle look the module up there
-    try:
-        module.__spec__.loader.exec_module(module)
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the file raises is reported in one line
-        del sys.modules[name]
-        raise UsageError(f"{where}: cannot import {path}: {type(e).__name__}: {_one_line(e)}") from None
-    return module
-
-
-def load_reward_fns(specs: list[str], weights: list[float] | None = None, flag: str = "--reward-fn",
-                    weights_flag: str = "--reward-weights") -> list[tuple[str, Callable[[str, dict], float]]]:
-    """Reward functions named ``path/to/file.py:function_name``, as ``(log name, function)`` pairs in order.
-
-    Each file is imported by path (:mod:`importlib`, once per call, as a module of its own, with its
-    top-level code run as for any import; a helper module beside it needs its folder on
-    ``PYTHONPATH``); nothing the model writes is ever evaluated. The function is called as
-    ``function(completion: str, example: dict) -> float`` (see :func:`score_reward_fns`). Its log name
-    is the function's name; names that occur twice become ``file_stem.function_name``, and a spec given
-    twice gets ``_2``, ``_3``... ``weights`` (None: 1 each) are checked here too, so that every error
-    comes before a model loads.
-    Raises:
-        UsageError, one line naming ``flag``, the spec (file and function) and what is expected: a spec
-            that is not ``path.py:name``, a missing file, a file that cannot be imported (its exception
-            named: ``SyntaxError``, ``ImportError``...), a missing name, an object that is not callable or
-            cannot take ``(completion, example)``; or, naming ``weights_flag``, a number of weights
-            other than ``len(specs)`` or a non-finite weight.
-    """
-    import collections
-    import inspect
-
-    _reward_weights(weights, len(specs), weights_flag)
-    modules, loaded = {}, []
-    for spec in specs:
-        file, _, name = spec.rpartition(":")
-        check(bool(file) and name.isidentifier(), f"{flag}: expected path/to/file.py:function_name, got {spec!r}")
-        path, where = Path(file), f"{flag} {spec}"
-        check(path.suffix == ".py", f"{where}: expected a Python file ending in .py")
-        check(path.is_file(), f"{where}: file {path} does not exist")
-        if path.resolve() not in modules:
-            modules[path.resolve()] = _import_reward_file(path, where)
-        module = modules[path.resolve()]
-        if not hasattr(module, name):
-            defined = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                       and getattr(v, "__module__", None) == module.__name__]
-            raise UsageError(f"{where}: {path} has no {name!r}; it defines: {', '.join(defined) or 'no functions'}")
-        fn = getattr(module, name)
-        check(callable(fn), f"{where}: is {type(fn).__name__}, not a function")
-        try:
-            inspect.signature(fn).bind("", {})
-        except TypeError as e:
-            raise UsageError(f"{where}: must take (completion: str, example: dict): {_one_line(e)}") from None
-        except ValueError:  # no signature to inspect (a builtin): its first call will tell
-            pass
-        loaded.append((name, path.stem, fn))
-    counts = collections.Counter(name for name, _, _ in loaded)
-    named = []
-    for name, stem, fn in loaded:
-        label = name if counts[name] == 1 else f"{stem}.{name}"
-        unique, k = label, 1
-        while unique in [n for n, _ in named]:
-            k += 1
-            unique = f"{label}_{k}"
-        named.append((unique, fn))
-    return named
-
-
-def _describe(fn: Callable) -> str:
-    """``file:function`` for a function, a partial of one or a callable object (``file:Class``), else its type name."""
-    inner = fn.func if isinstance(fn, functools.partial) else fn
-    code = getattr(inner, "__code__", None) or getattr(getattr(type(inner), "__call__", None), "__code__", None)
-    name = getattr(inner, "__qualname__", None) or type(inner).__name__
-    return f"{code.co_filename}:{name}" if code is not None else name
-
-
-def score_reward_fns(reward_fns: list[tuple[str, Callable[[str, dict], float]]], completions: list[str],
-                     examples: list[dict], weights: list[float] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The weighted sum of several reward functions, and each one's own rewards (to log ``reward/<name>/mean``).
-
-    ``r_i = sum_k weights[k] * f_k(completions[i], examples[i])`` for the pairs ``(name_k, f_k)`` of
-    ``reward_fns`` (from :func:`load_reward_fns`, or any callables, the task's own
-    ``task.reward_fn`` included). Each ``f_k`` must return a real number: an int, a float, a NumPy
-    scalar, or a bool (True is 1.0, as in Python's arithmetic, so a checker can serve as a reward).
-    Scripts pass the full response (``--response-prefix`` + completion) as the completion.
-
-    Args:
-        completions, examples: N each. weights: one per function, None for 1.0 each.
-    Returns:
-        (N,) float32 weighted sum; dict name -> (N,) float32 rewards of that function alone.
-    Raises:
-        UsageError, one line: a function raises, returns a non-number or a non-finite value (naming
-            ``file:function`` and the completion's index in ``completions``); the weighted sum
-            overflows; weights of the wrong number or not finite; two functions with one name.
-        ValueError: ``reward_fns`` is empty.
-    """
-    import math
-
-    if not reward_fns:
-        raise ValueError("score_reward_fns needs at least one reward function")
-    weights = _reward_weights(weights, len(reward_fns))
-    names = [name for name, _ in reward_fns]
-    check(len(set(names)) == len(names), f"reward function names must be unique, got {names}")
-    total, each = [0.0] * len(completions), {}
-    for (name, fn), weight in zip(reward_fns, weights):
-        scores = _checked_scores(fn, f"reward function {_describe(fn)}", completions, examples)
-        each[name] = torch.tensor(scores, dtype=torch.float32)
-        total = [t + weight * r for t, r in zip(total, scores)]
-    for i, t in enumerate(total):
-        check(math.isfinite(t), f"the weighted sum of the rewards is {t} on completion {i} ({completions[i][:60]!r}); "
-              f"lower --reward-weights")
-    return torch.tensor(total, dtype=torch.float32), each
 
 
 def reward_model_scores(reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1826,41 +911,19 @@ def score_with_reward_model(reward_model, input_ids: torch.Tensor, attention_mas
                           for i in range(0, len(input_ids), batch_size)])
 
 
-@torch.no_grad()
-def greedy_accuracy(policy, tokenizer, examples: list[dict], correct_fn: Callable[[str, dict], bool],
-                    max_new_tokens: int, batch_size: int, device, system_prompt: str | None = None,
-                    response_prefix: str = "", task_name: str = "task") -> tuple[float, list[str]]:
-    """Fraction of ``examples`` answered correctly with greedy decoding; returns (accuracy, responses).
-
-    Prompts are built by :func:`build_prompt` with ``system_prompt`` and ``response_prefix``; each
-    response is ``response_prefix`` + the decoded completion, and that is what ``correct_fn`` sees.
-    Raises:
-        UsageError: ``correct_fn`` raises or returns neither a bool nor a number in [0, 1] (one line
-            naming ``task_name`` and the index of the example in ``examples``).
-    """
-    correct, outputs = 0, []
-    for start in range(0, len(examples), batch_size):
-        batch = examples[start: start + batch_size]
-        enc = tokenizer([build_prompt(tokenizer, ex["question"], system_prompt, response_prefix) for ex in batch],
-                        return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = policy.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, top_k=None, top_p=None,
-                              temperature=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts = [response_prefix + text for text in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:],
-                                                                             skip_special_tokens=True)]
-        correct += sum(_checked_scores(correct_fn, f"correct_fn of task {task_name!r}", texts, batch, start, unit=True))
-        outputs += texts
-    return correct / len(examples), outputs
-
-
-def held_out_accuracy(policy, tokenizer, task: Task, args: Any, device) -> tuple[float, list[str]]:
+def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device, greedy_accuracy: Callable) -> tuple[float, list[str]]:
     """The greedy accuracy of ``policy`` on the --eval-size held-out questions, with the run's prompt style, under
-    --bf16's autocast; returns (accuracy, completions). Training's evaluations and --eval-only both call it."""
+    --bf16's autocast; returns (accuracy, completions). Training's evaluations and --eval-only both call it.
+    ``task`` is a :class:`tasks.Task`, ``greedy_accuracy`` :func:`tasks.greedy_accuracy`: passed in, as tasks.py
+    imports this file (and ppo_continuous.py, which imports this file, needs no tasks.py)."""
     with bf16_autocast(device, args.bf16):
         return greedy_accuracy(policy, tokenizer, task.test[: args.eval_size], task.correct_fn, args.max_new_tokens,
-                               args.eval_batch_size, device, *prompt_style(args), task.name)
+                               args.eval_batch_size, device, args.system_prompt, args.response_prefix, task.name,
+                               args.answer_format)
 
 
-def report_accuracy(policy, tokenizer, task: Task, args: Any, device, out_path: str | os.PathLike, source: dict) -> float:
+def report_accuracy(policy, tokenizer, task: Any, args: Any, device, out_path: str | os.PathLike, source: dict,
+                    greedy_accuracy: Callable) -> float:
     """``--eval-only``: the greedy held-out accuracy of a saved model (:func:`held_out_accuracy`), printed and
     written to ``out_path`` as JSON (with ``source``, what was evaluated, and the first completions).
 
@@ -1868,7 +931,7 @@ def report_accuracy(policy, tokenizer, task: Task, args: Any, device, out_path: 
         UsageError: ``out_path`` cannot be written.
     """
     questions = task.test[: args.eval_size]
-    accuracy, completions = held_out_accuracy(policy, tokenizer, task, args, device)
+    accuracy, completions = held_out_accuracy(policy, tokenizer, task, args, device, greedy_accuracy)
     report = {**source, "task": task.name, "questions": len(questions), "correct": round(accuracy * len(questions)),
               "accuracy": accuracy, "max_new_tokens": args.max_new_tokens,
               "first_completions": [{"question": q["question"], "answer": q["answer"], "completion": c}
@@ -1969,16 +1032,9 @@ def sampling_seed(*keys: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Run plumbing shared word for word by the LM scripts: prompts, run directory, processes, LoRA,
+# Run plumbing shared word for word by the LM scripts: run directory, processes, LoRA,
 # logs and evaluation (each reads ``args`` fields of the same names in grpo_lm.py and ppo_lm.py)
 # ----------------------------------------------------------------------------------------------
-def prompt_style(args: Any) -> tuple[str | None, str]:
-    """The system prompt and the response prefix of every prompt (:func:`build_prompt`): --system-prompt, by
-    default with --answer-format think the instructions for that format, and --response-prefix."""
-    default = THINK_ANSWER_SYSTEM_PROMPT if args.answer_format == "think" else None
-    return (default if args.system_prompt is None else args.system_prompt), args.response_prefix
-
-
 def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, str]) -> dict | None:
     """The --resume checkpoint of an LM script (memory-mapped), checked before anything loads; None without --resume.
 
@@ -2015,15 +1071,19 @@ def resume_checkpoint(args: Any, args_cls: type, script: str, frozen: dict[str, 
 
 def check_lm_flags(args: Any) -> None:
     """The checks both LM scripts share, before anything loads: each flag's own constraint, declared beside it in
-    ``Args`` (:func:`check_fields`), then the rules between flags: --device, the task flags
-    (:func:`check_task_flags`), --eval-only, --track, LoRA's target modules, --tis-cap and the model paths.
+    ``Args`` (:func:`check_fields`), then the rules between flags: --device, the reward model's, --eval-only,
+    --track, LoRA's target modules, --tis-cap and the model paths (the task's: :func:`tasks.check_task_flags`).
 
     Raises:
         UsageError: one line naming the flag and what it expects.
     """
     check_fields(args)
     check_device(args.device)
-    check_task_flags(args)
+    frozen_rm = args.reward_model_path and not getattr(args, "train_reward_model", False)  # it scores instead
+    check(not (frozen_rm and args.format_reward), "--format-reward: the frozen reward model scores every completion, "
+          "so the task's format reward would never be paid; drop one of them")
+    check(not (frozen_rm and args.reward_fn), "--reward-fn and --reward-model-path are two rewards: pick one "
+          "(--train-reward-model trains the reward model on --reward-fn's rewards)")
     check(not args.eval_only or args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
     check(not args.eval_only or world_size() == 1, "--eval-only runs in one process, not under torchrun")
     check(not args.track or importlib.util.find_spec("wandb") is not None, "--track: wandb is not installed; run "
@@ -2192,7 +1252,7 @@ def load_trained_weights(policy, weights: dict) -> None:
         policy.load_state_dict(weights)
 
 
-def eval_only(args: Any, task: Task, tokenizer, checkpoint: dict | None, run_dir: Path) -> dict:
+def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir: Path, greedy_accuracy: Callable) -> dict:
     """--eval-only: the greedy held-out accuracy of the --resume checkpoint's policy (its adapters with --lora-rank),
     or of --model-name-or-path, written to ``eval_step{N}.json`` / ``eval.json`` in the run directory; no training.
     Returns the history ``{"eval/accuracy": [accuracy]}``.
@@ -2210,7 +1270,7 @@ def eval_only(args: Any, task: Task, tokenizer, checkpoint: dict | None, run_dir
     source = {"checkpoint": args.resume, "step": checkpoint["step"]} if checkpoint else {"model": args.model_name_or_path}
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / (f"eval_step{checkpoint['step']}.json" if checkpoint else "eval.json")
-    accuracy = report_accuracy(policy, tokenizer, task, args, device, out, source)
+    accuracy = report_accuracy(policy, tokenizer, task, args, device, out, source, greedy_accuracy)
     cleanup_distributed()
     return {"eval/accuracy": [accuracy]}
 
@@ -2260,14 +1320,14 @@ class RunLog:
             self.writer.close()
 
 
-def evaluate(policy, tokenizer, task: Task, args: Any, device, log: RunLog, step: int) -> None:
+def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step: int, greedy_accuracy: Callable) -> None:
     """Greedy held-out accuracy on --eval-size questions (rank 0), before training, every --eval-every steps and
     at the end."""
     from tqdm.auto import tqdm
 
     due = step in (0, args.total_steps) or (args.eval_every and step % args.eval_every == 0)
     if log.is_main and args.eval_size and due:
-        accuracy, _ = held_out_accuracy(policy, tokenizer, task, args, device)
+        accuracy, _ = held_out_accuracy(policy, tokenizer, task, args, device, greedy_accuracy)
         log(step, {"eval/accuracy": accuracy})
         tqdm.write(f"step {step}: held-out greedy accuracy {accuracy:.3f}")
 

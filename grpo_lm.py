@@ -66,6 +66,7 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 import common
+import tasks
 from common import UsageError, check
 
 
@@ -463,11 +464,11 @@ def float32_lm_head(model):
 # ----------------------------------------------------------------------------------------------
 # GRPO, DeepSeekMath §4.1 and Algorithm 1
 # ----------------------------------------------------------------------------------------------
-def main(args: Args, task: common.Task | None = None,
-         step_reward_fn: Callable[[str, dict], list[tuple[int, float]]] = common.arithmetic_step_rewards) -> dict:
+def main(args: Args, task: tasks.Task | None = None,
+         step_reward_fn: Callable[[str, dict], list[tuple[int, float]]] = tasks.arithmetic_step_rewards) -> dict:
     """Train with GRPO; returns the per-step history of logged scalars (for tests and notebooks).
 
-    ``task`` replaces the built-in task: any :class:`common.Task` with your own reward function.
+    ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
     ``step_reward_fn(completion, example) -> [(end character offset, reward), ...]`` gives the step
     rewards of ``--supervision process`` (default: every equation ``x op y = z`` checked).
     Under ``torchrun`` every process runs this function on its share of the batch; the returned history
@@ -476,13 +477,13 @@ def main(args: Args, task: common.Task | None = None,
     validate(args)
     checkpoint = resume_checkpoint(args)  # before anything loads: a bad flag or --resume fails at once
     run_dir = common.make_run_dir(args)
-    task = task or common.make_task(args)  # so does a bad --dataset or --reward-fn
-    common.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    task = task or tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field, args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)  # so does a bad --dataset or --reward-fn
+    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
-        return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = common.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
-                                        *common.prompt_style(args))
+        return common.eval_only(args, task, tokenizer, checkpoint, run_dir, tasks.greedy_accuracy)
+    questions = tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
+                                       *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
     rank, world, device = common.start_processes(args)  # torchrun: each process samples and trains on its share
     common.seed_everything(args.seed)
 
@@ -501,7 +502,7 @@ def main(args: Args, task: common.Task | None = None,
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, step=0)  # held-out greedy accuracy before training
+        common.evaluate(policy, tokenizer, task, args, device, log, 0, tasks.greedy_accuracy)  # held-out greedy accuracy before training
 
     G, B = args.group_size, args.prompts_per_step // world  # B questions per process (torchrun: a share of them)
     N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, and all processes' outputs of a step
@@ -575,7 +576,7 @@ def main(args: Args, task: common.Task | None = None,
         # ---- logging, evaluation, checkpoints (TRY NOT TO MODIFY) ----
         log(step + 1, step_metrics(args, batch, all_rewards, totals, grad_norm, optimizer, device, t0, gen_time))
         log.samples(step + 1, sample_lines(batch, rewards, args.group_size), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
+        common.evaluate(policy, tokenizer, task, args, device, log, step + 1, tasks.greedy_accuracy)  # every --eval-every steps and at the end
         save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)  # every --save-every and at the end
     log.close()
     if rank == 0 and args.total_steps > start_step:
@@ -608,7 +609,7 @@ def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: 
     picks = np.random.default_rng([args.seed, step] + ([round_] if round_ else [])).choice(
         len(sampling.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
     examples = [sampling.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-    prompts = common.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *common.prompt_style(args))  # a group each
+    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))  # a group each
     rows, row_logps = common.generate_completions(
         sampling.sampler, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
@@ -647,7 +648,7 @@ def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> di
     scored_by_model = sampling.reward_model is not None and trained
     verifiable, each = None, {}
     if not scored_by_model or args.train_reward_model:
-        verifiable, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
+        verifiable, each = tasks.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
     if scored_by_model:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["mask"].long()], 1)
@@ -656,7 +657,7 @@ def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> di
     else:
         rewards = verifiable
     eos = sampling.tokenizer.eos_token_id
-    return {"rewards": rewards, "verifiable": verifiable, "correct": common.score_correct(task, responses, examples),
+    return {"rewards": rewards, "verifiable": verifiable, "correct": tasks.score_correct(task, responses, examples),
             "truncated": ~((batch["completion_ids"] == eos) & batch["mask"].bool()).any(1), "reward_fns": each}
 
 
@@ -668,13 +669,13 @@ class Sampling:
     record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    task: common.Task
+    task: tasks.Task
     reward_model: Any  # None: the task's verifiable reward
     rank: int  # torchrun: this process samples the groups rank * B .. rank * B + B - 1 of each step
     world: int
 
 
-def make_sampling(policy, tokenizer, questions: list[dict], task: common.Task, reward_model, args: Args, rank: int,
+def make_sampling(policy, tokenizer, questions: list[dict], task: tasks.Task, reward_model, args: Args, rank: int,
                   world: int, device) -> Sampling:
     """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
     cache that transformers compiles on CUDA. Log probs for the loss always come
@@ -712,7 +713,7 @@ def process_supervision(batch: dict, rewards: torch.Tensor, tokenizer, step_rewa
             steps = [(int(end), float(reward)) for end, reward in step_reward_fn(text, ex)]
         except Exception as e:  # noqa: BLE001 - user code fails the same way as a reward function
             raise UsageError(f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}") from None
-        ends = common.char_ends_to_token_indices(tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps])
+        ends = tasks.char_ends_to_token_indices(tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps])
         step_r += [reward for _, reward in steps] + [rewards[i].item()]
         step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
         step_i += [i] * (len(steps) + 1)
@@ -1035,6 +1036,9 @@ def validate(args: Args) -> None:
         UsageError: naming the flag and what it expects.
     """
     common.check_lm_flags(args)
+    tasks.check_task_flags(args.task, args.dataset, args.answer_format, args.format_reward, args.reward_fn,
+                           args.reward_weights, args.prompt_field, args.answer_field, args.system_prompt,
+                           args.response_prefix)
     world = common.world_size()
     check(args.total_steps % args.iterations == 0,
           f"--iterations {args.iterations} must divide --total-steps {args.total_steps}")

@@ -91,6 +91,7 @@ import tyro
 from annotated_types import Ge, Gt, Interval
 
 import common
+import tasks
 from common import UsageError, check
 
 
@@ -482,23 +483,23 @@ def float32_lm_head(model):
 # ----------------------------------------------------------------------------------------------
 # RLHF-PPO, the N+ details' training loop
 # ----------------------------------------------------------------------------------------------
-def main(args: Args, task: common.Task | None = None) -> dict:
+def main(args: Args, task: tasks.Task | None = None) -> dict:
     """Train with PPO; returns the per-step history of logged scalars (for tests and notebooks).
 
-    ``task`` replaces the built-in task: any :class:`common.Task` with your own reward function.
+    ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
     Under ``torchrun`` every process runs this function on its share of the batch; the returned history
     holds the global (all-process) values on every rank.
     """
     validate(args)
     checkpoint = resume_checkpoint(args)  # before anything loads: a bad flag or --resume fails at once
     run_dir = common.make_run_dir(args)
-    task = task or common.make_task(args)  # so does a bad --dataset or --reward-fn
-    common.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    task = task or tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field, args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)  # so does a bad --dataset or --reward-fn
+    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
-        return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = common.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
-                                        *common.prompt_style(args))
+        return common.eval_only(args, task, tokenizer, checkpoint, run_dir, tasks.greedy_accuracy)
+    questions = tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
+                                       *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
     rank, world, device = common.start_processes(args)  # torchrun: each process samples and trains on its share
     common.seed_everything(args.seed)
 
@@ -522,7 +523,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, step=0)  # held-out greedy accuracy before training
+        common.evaluate(policy, tokenizer, task, args, device, log, 0, tasks.greedy_accuracy)  # held-out greedy accuracy before training
 
     # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is minibatch_size prompts
     # of every process, and the losses divide by the global minibatch size, minibatch_size * world.
@@ -593,7 +594,7 @@ def main(args: Args, task: common.Task | None = None) -> dict:
         log(step + 1, step_metrics(args, batch, scores, kl, beta_used, old_logp, old_values, returns, totals, optimizer,
                                    device, (t0, gen_time, t2)))
         log.samples(step + 1, sample_lines(batch), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
+        common.evaluate(policy, tokenizer, task, args, device, log, step + 1, tasks.greedy_accuracy)  # every --eval-every steps and at the end
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)  # every --save-every and at the end
     log.close()
     if rank == 0 and args.total_steps > start_step:
@@ -630,7 +631,7 @@ def rollout(sampling: Sampling, policy, args: Args, device, step: int) -> dict:
     picks = np.random.default_rng([args.seed, step]).choice(len(sampling.questions), args.prompts_per_step,
                                                             replace=False)[first: first + N]
     examples = [sampling.questions[i] for i in picks]
-    prompts = common.prompt_ids(tokenizer, [ex["question"] for ex in examples], *common.prompt_style(args))
+    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
     rows, row_logps = common.generate_completions(
         sampling.sampler, prompts, 1, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step), first=first,
@@ -649,7 +650,7 @@ def rollout(sampling: Sampling, policy, args: Args, device, step: int) -> dict:
             "sampler_logp": sampler_logp}
 
 
-def score(batch: dict, reward_model, task: common.Task, args: Args, device) -> dict:
+def score(batch: dict, reward_model, task: tasks.Task, args: Args, device) -> dict:
     """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's, read where its
     own forward pass pools (--reward-model-path), or else the task's verifiable reward.
 
@@ -666,8 +667,8 @@ def score(batch: dict, reward_model, task: common.Task, args: Args, device) -> d
         scores = common.score_with_reward_model(reward_model, batch["input_ids"], batch["attention_mask"],
                                                 args.micro_batch_size, device, args.bf16)
     else:
-        scores, each = common.score_task(task, responses, examples)  # --reward-fn: each function's own rewards too
-    return {"score": scores, "correct": common.score_correct(task, responses, examples), "reward_fns": each}
+        scores, each = tasks.score_task(task, responses, examples)  # --reward-fn: each function's own rewards too
+    return {"score": scores, "correct": tasks.score_correct(task, responses, examples), "reward_fns": each}
 
 
 def load_value_model(args: Args, tokenizer, device):
@@ -780,6 +781,9 @@ def validate(args: Args) -> None:
         UsageError: naming the flag and what it expects.
     """
     common.check_lm_flags(args)
+    tasks.check_task_flags(args.task, args.dataset, args.answer_format, args.format_reward, args.reward_fn,
+                           args.reward_weights, args.prompt_field, args.answer_field, args.system_prompt,
+                           args.response_prefix)
     world = common.world_size()
     check(args.prompts_per_step % args.num_minibatches == 0,
           f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches {args.num_minibatches}")

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import tasks  # noqa: E402
 import grpo_lm  # noqa: E402
 
 
@@ -87,14 +88,14 @@ def main() -> None:
     reference = common.load_model(args.model_name_or_path).eval()
     policy = perturbed(reference, args.perturbation, args.seed).eval()
     if Path(args.dataset).is_file():
-        task = common.load_gsm8k_jsonl(args.dataset, num_test=args.prompts)
+        task = tasks.load_jsonl_task(args.dataset, num_test=args.prompts)
         source = f"GSM8K questions ({Path(args.dataset).name})"
     else:
-        task = common.make_addition_task(num_test=args.prompts)
+        task = tasks.make_addition_task(num_test=args.prompts)
         source = "addition questions"
     shots = "".join(f"Question: {ex['question']}\nAnswer: {ex.get('solution', '')} #### {ex['answer']}\n\n"
                     for ex in task.train[: args.shots])
-    prompts = [tokenizer(common.build_prompt(tokenizer, shots + ex["question"]), add_special_tokens=False)["input_ids"]
+    prompts = [tokenizer(tasks.build_prompt(tokenizer, shots + ex["question"]), add_special_tokens=False)["input_ids"]
                for ex in task.test[: args.prompts]]
     rows, _ = common.generate_completions(policy, prompts, 1, tokenizer, torch.device("cpu"), temperature=args.temperature,
                                           top_p=1.0, max_new_tokens=args.max_new_tokens, seed_keys=(args.seed,), first=0)

@@ -123,21 +123,21 @@ def grpo_config(output_dir: str, *, group_size: int, batch: int, max_new_tokens:
 
 
 def addition_dataset(tokenizer, eval_size: int = 128):
-    """common.make_addition_task's training problems as a TRL dataset (prompt text built as grpo_lm.py builds it)."""
+    """tasks.make_addition_task's training problems as a TRL dataset (prompt text built as grpo_lm.py builds it)."""
     from datasets import Dataset
 
-    import common
+    import tasks
 
-    task = common.make_addition_task(eval_size)
-    return Dataset.from_list([{"prompt": common.build_prompt(tokenizer, ex["question"]), "answer": ex["answer"]}
+    task = tasks.make_addition_task(eval_size)
+    return Dataset.from_list([{"prompt": tasks.build_prompt(tokenizer, ex["question"]), "answer": ex["answer"]}
                               for ex in task.train])
 
 
 def addition_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL reward function: common.outcome_reward (1 when the last number equals the answer), as grpo_lm.py uses."""
-    import common
+    """TRL reward function: tasks.outcome_reward (1 when the last number equals the answer), as grpo_lm.py uses."""
+    import tasks
 
-    return [common.outcome_reward(c, {"answer": a}) for c, a in zip(completions, answer)]
+    return [tasks.outcome_reward(c, {"answer": a}) for c, a in zip(completions, answer)]
 
 
 def trl_version() -> str:
@@ -164,6 +164,7 @@ def run_loss(a: argparse.Namespace) -> None:
 
     import common
     import grpo_lm
+    import tasks
 
     torch.set_num_threads(a.torch_threads)
     tmp = Path(tempfile.mkdtemp(prefix="trl_compare_loss_"))
@@ -194,7 +195,7 @@ def run_loss(a: argparse.Namespace) -> None:
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; the loss divides by it
 
     # ---- 1. advantages: TRL's real _generate_and_score_completions vs grpo_lm.group_advantages ----
-    rows = [{"prompt": common.build_prompt(tokenizer, f"What is {10 + 7 * i} + {23 + 5 * i}?"), "answer": "0"}
+    rows = [{"prompt": tasks.build_prompt(tokenizer, f"What is {10 + 7 * i} + {23 + 5 * i}?"), "answer": "0"}
             for i in range(B) for _ in range(G)]  # the G completions of a prompt are contiguous, as TRL's sampler gives
     adv_cases = []
     for scale in ("group", "batch", "none"):
@@ -216,7 +217,7 @@ def run_loss(a: argparse.Namespace) -> None:
 
     # ---- 2. one batch: prompts of different lengths, completions of different lengths ----
     questions = [f"What is {x} + {y}?" for x, y in [(3, 4), (12, 345), (7, 88), (1234, 5), (60, 61), (9, 999)]]
-    prompt_list = [tokenizer(common.build_prompt(tokenizer, questions[i % len(questions)]),
+    prompt_list = [tokenizer(tasks.build_prompt(tokenizer, questions[i % len(questions)]),
                              add_special_tokens=False)["input_ids"] for i in range(B) for _ in range(G)]
     P = max(len(p) for p in prompt_list)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
@@ -803,7 +804,7 @@ def render_results() -> None:
                   "gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type=\"grpo\", TRL's activation "
                   "checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's --gradient-checkpointing is off by default) unless a row says on, "
                   "TRL's default dynamic KV cache unless a row names cache_implementation, the addition "
-                  "task's training problems and `common.outcome_reward` as the reward. s/step, steps/s and "
+                  "task's training problems and `tasks.outcome_reward` as the reward. s/step, steps/s and "
                   "completion tokens/s are measured over steps 2..S (from the end of step 1 to the end of step S; "
                   "step 1 is warm-up; model loading and grpo_lm's one-question start/end evaluation fall outside). "
                   "Generation s/step: grpo_lm's logged `time/generation_s`; TRL's `_generate` (tokenize, "

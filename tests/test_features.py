@@ -7,6 +7,7 @@ import pytest
 
 import common
 import grpo_lm
+import tasks
 from test_grpo_lm import tiny_args
 
 REWARDS = '''
@@ -54,7 +55,7 @@ def test_reward_functions_read_the_response_prefix(tiny_model_dir, tmp_path, rew
                                system_prompt="Think first.", reward_fn=[f"{reward_file}:starts_with_prefix"]))
     assert h["reward/mean"] == [1.0] and h["reward/accuracy"] == [0.0]  # the random model writes no <answer> block
     args = grpo_lm.Args(answer_format="think")
-    assert common.prompt_style(args) == (common.THINK_ANSWER_SYSTEM_PROMPT, "")
+    assert tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix) == (tasks.THINK_ANSWER_SYSTEM_PROMPT, "")
 
 
 def test_own_jsonl_data_with_other_field_names(tiny_model_dir, tmp_path, reward_file):

@@ -10,6 +10,7 @@ import torch
 
 import common
 import grpo_lm
+import tasks
 from conftest import ROOT, tb_scalars
 
 LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
@@ -176,10 +177,10 @@ def test_reward_model_reads_the_last_real_token(tiny_reward_model_dir):
 # Tasks and rewards
 # ---------------------------------------------------------------------------------------------
 def test_final_number_and_rewards():
-    assert common.extract_final_number("12 + 34 = 46.") == 46.0
-    assert common.extract_final_number("it is -1,234.5 now") == -1234.5
-    assert common.extract_final_number("__import__('os').system('x')") is None
-    task = common.make_addition_task(num_test=16, format_reward=0.1)
+    assert tasks.extract_final_number("12 + 34 = 46.") == 46.0
+    assert tasks.extract_final_number("it is -1,234.5 now") == -1234.5
+    assert tasks.extract_final_number("__import__('os').system('x')") is None
+    task = tasks.make_addition_task(num_test=16, format_reward=0.1)
     assert len(task.test) == 16 and len(task.train) == 90 * 90 - 16
     assert task.reward_fn("12 + 13 = 25", {"answer": "25"}) == pytest.approx(1.1)
     assert task.reward_fn("25, I think so", {"answer": "25"}) == pytest.approx(1.0)
@@ -189,31 +190,31 @@ def test_final_number_and_rewards():
 def test_gsm8k_loader_real_file_and_errors(tmp_path):
     real = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
     if real.is_file():
-        task = common.load_gsm8k_jsonl(real, num_test=128)
+        task = tasks.load_jsonl_task(real, num_test=128)
         assert len(task.train) + len(task.test) == 7473
-        assert all(common.extract_final_number(ex["answer"]) is not None for ex in task.test)
+        assert all(tasks.extract_final_number(ex["answer"]) is not None for ex in task.test)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "a #### 3"}) + "\n{not json\n")
     with pytest.raises(common.UsageError, match=r"bad.jsonl:2: not valid JSON"):
-        common.load_gsm8k_jsonl(bad, num_test=0)
+        tasks.load_jsonl_task(bad, num_test=0)
     bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
     with pytest.raises(common.UsageError, match=r"bad.jsonl:1: answer 'no final number' is not a number"):
-        common.load_gsm8k_jsonl(bad, num_test=0)
+        tasks.load_jsonl_task(bad, num_test=0)
     with pytest.raises(common.UsageError, match="does not exist"):
-        common.load_gsm8k_jsonl(tmp_path / "missing.jsonl")
+        tasks.load_jsonl_task(tmp_path / "missing.jsonl")
 
 
 # ---------------------------------------------------------------------------------------------
 # Learning, CLI, resume, errors
 # ---------------------------------------------------------------------------------------------
-def digit_task() -> common.Task:
+def digit_task() -> tasks.Task:
     """Trivially learnable: the reward is the fraction of completion characters that are digits."""
     examples = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(10)]
 
     def digits(completion: str, example: dict) -> float:
         return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
-    return common.Task("digits", examples[8:], examples[:8], digits, common.number_matches)
+    return tasks.Task("digits", examples[8:], examples[:8], digits, tasks.number_matches)
 
 
 def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:

@@ -1,4 +1,4 @@
-"""common.py's tasks, data and rewards: the JSONL loader, correct_fn and reward-file checks, the
+"""tasks.py: tasks, data and rewards: the JSONL loader, correct_fn and reward-file checks, the
 think/answer format, Countdown. Hand-computed values; no model is loaded."""
 
 import json
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import tasks
 from conftest import ROOT
 
 
@@ -35,20 +36,20 @@ GOOD = {"question": "What is 40 + 5?", "answer": "40 + 5 = 45\n#### 45"}
 def test_jsonl_answer_the_numeric_reward_cannot_parse_is_file_line(tmp_path):
     for bad in ("#### 45 dollars", "#### $45", "no final number", "#### 1,23", "#### nan"):
         path = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD, {"question": "q", "answer": bad}])
-        one_line_error(common.load_gsm8k_jsonl, path, num_test=0, match=r"^--dataset: .*d\.jsonl:3: answer .* is not a number")
+        one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"^--dataset: .*d\.jsonl:3: answer .* is not a number")
 
 
 def test_jsonl_binary_file_and_lone_surrogate_are_file_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\x1f\x8b\x08\x00\xff\xfe\n")
-    one_line_error(common.load_gsm8k_jsonl, path, num_test=0, match=r"d\.jsonl:2: not UTF-8 text \(byte 0x8b at column 2\)")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: not UTF-8 text \(byte 0x8b at column 2\)")
     write_jsonl(path, [GOOD, '{"question": "a \\ud800 b", "answer": "#### 1"}'])
-    one_line_error(common.load_gsm8k_jsonl, path, num_test=0, match=r"d\.jsonl:2: field 'question': .*lone surrogate '\\ud800' at character 3")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: field 'question': .*lone surrogate '\\ud800' at character 3")
 
 
 def test_eval_size_that_leaves_no_training_problem_is_one_line():
-    one_line_error(common.make_addition_task, num_test=8100, match=r"--eval-size 8100: .*8100 problems")
-    one_line_error(common.make_multistep_task, num_test=50, num_problems=50, match=r"--eval-size 50: .*50 problems")
+    one_line_error(tasks.make_addition_task, num_test=8100, match=r"--eval-size 8100: .*8100 problems")
+    one_line_error(tasks.make_multistep_task, num_test=50, num_problems=50, match=r"--eval-size 50: .*50 problems")
 
 
 def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
@@ -56,7 +57,7 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
             {"prompt": "A thousand and one?", "target": "1,001"}, "", {"prompt": "Minus three?", "target": "-3"},
             {"prompt": "Tiny?", "target": 1e-07}]
     path = write_jsonl(tmp_path / "plain.jsonl", rows)
-    task = common.load_jsonl_task(path, num_test=2, prompt_field="prompt", answer_field="target", split_seed=0)
+    task = tasks.load_jsonl_task(path, num_test=2, prompt_field="prompt", answer_field="target", split_seed=0)
     assert task.name == "plain" and len(task.train) == 3 and len(task.test) == 2  # the blank line is skipped
     by_prompt = {ex["prompt"]: ex for ex in task.train + task.test}
     assert by_prompt["Two plus two?"] == {"prompt": "Two plus two?", "target": 4, "id": 7, "question": "Two plus two?", "answer": "4"}
@@ -66,7 +67,7 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
     gsm = write_jsonl(tmp_path / "gsm.jsonl", [GOOD] * 3)
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "gsm.jsonl").read_bytes())
     for p in (gsm, tmp_path / "bom.jsonl"):
-        assert common.load_gsm8k_jsonl(p, num_test=1).test == [{"question": "What is 40 + 5?", "answer": "45", "solution": "40 + 5 = 45"}]
+        assert tasks.load_jsonl_task(p, num_test=1).test == [{"question": "What is 40 + 5?", "answer": "45", "solution": "40 + 5 = 45"}]
     cases = [("[1, 2]", r"d.jsonl:2: expected a JSON object \{...\}, got an array"),
              ("{not json", r"d.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at column 2\)"),
              ({"q": "x", "answer": "1"}, r"d.jsonl:2: no field 'question' \(the prompt; choose the field with --prompt-field\); its fields: 'q', 'answer'"),
@@ -79,32 +80,32 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
              ('{"question": "x", "answer": "\\udfff"}', r"d.jsonl:2: field 'answer': contains a lone surrogate")]
     for row, match in cases:
         path = write_jsonl(tmp_path / "d.jsonl", [GOOD, row, GOOD])
-        one_line_error(common.load_jsonl_task, path, num_test=0, match=r"^--dataset: .*" + match)
-    one_line_error(common.load_gsm8k_jsonl, tmp_path / "missing.jsonl", match=r"^--dataset: dataset file .*missing.jsonl does not exist$")
-    one_line_error(common.load_gsm8k_jsonl, tmp_path, match=r"^--dataset: .* is not a file; expected a JSON Lines file$")
+        one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"^--dataset: .*" + match)
+    one_line_error(tasks.load_jsonl_task, tmp_path / "missing.jsonl", match=r"^--dataset: dataset file .*missing.jsonl does not exist$")
+    one_line_error(tasks.load_jsonl_task, tmp_path, match=r"^--dataset: .* is not a file; expected a JSON Lines file$")
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 3)
-    one_line_error(common.load_gsm8k_jsonl, path, num_test=3, match=r"d.jsonl has 3 examples; need more than the 3 held out \(--eval-size\)")
+    one_line_error(tasks.load_jsonl_task, path, num_test=3, match=r"d.jsonl has 3 examples; need more than the 3 held out \(--eval-size\)")
     write_jsonl(tmp_path / "d.jsonl", ["", "  "])
-    one_line_error(common.load_gsm8k_jsonl, path, num_test=0, match=r"d.jsonl has 0 examples")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d.jsonl has 0 examples")
 
 
 def test_jsonl_non_numeric_answers_and_their_correct_fn(tmp_path):
     rows = [{"question": "Capital of France?", "answer": "Paris"}, {"question": "Cost?", "answer": "#### 45 dollars"},
             {"question": "Count?", "answer": "#### 1,234"}, {"question": "Dots?", "answer": "#### ..."}]
     path = write_jsonl(tmp_path / "t.jsonl", rows[:3])
-    one_line_error(common.load_jsonl_task, path, num_test=0, match=r"t.jsonl:1: answer 'Paris' is not a number")
-    task = common.load_jsonl_task(path, num_test=0, numeric_answers=False)
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"t.jsonl:1: answer 'Paris' is not a number")
+    task = tasks.load_jsonl_task(path, num_test=0, numeric_answers=False)
     paris, count, cost = sorted(task.train, key=lambda ex: len(ex["question"]), reverse=True)
     assert (paris["answer"], cost["answer"], count["answer"]) == ("Paris", "45 dollars", "1234")
-    match = common.answer_text_matches
+    match = tasks.answer_text_matches
     assert match("The capital is Paris.", paris) and match("<think>hmm</think><answer> PARIS </answer>", paris)
     assert not match("Parisian", paris) and not match("not Paris, Rome", paris) and not match("<answer>Rome</answer> Paris", paris)
     assert match("it costs 45   Dollars!", cost) and not match("it costs 45", cost)
     assert match("1,234 things", count) and match("1234.0", count) and not match("1235", count)
     assert task.reward_fn("Paris", paris) == 1.0 and task.reward_fn("Lyon", paris) == 0.0
-    one_line_error(common.load_jsonl_task, path, num_test=0, numeric_answers=False, format_reward=0.1, match=r"^--format-reward: ")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, numeric_answers=False, format_reward=0.1, match=r"^--format-reward: ")
     write_jsonl(tmp_path / "t.jsonl", rows)
-    one_line_error(common.load_jsonl_task, path, num_test=0, numeric_answers=False, match=r"t.jsonl:4: answer '...' has no text to compare")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, numeric_answers=False, match=r"t.jsonl:4: answer '...' has no text to compare")
 
 
 def test_gsm8k_real_file_line_numbers_and_speed():
@@ -114,7 +115,7 @@ def test_gsm8k_real_file_line_numbers_and_speed():
     if not real.is_file():
         pytest.skip("no local GSM8K file")
     start = time.perf_counter()
-    task = common.load_gsm8k_jsonl(real, num_test=128)
+    task = tasks.load_jsonl_task(real, num_test=128)
     assert time.perf_counter() - start < 5  # about 0.05 s on the 2-core machine; generous for a loaded one
     natalia = next(ex for ex in task.train + task.test if ex["question"].startswith("Natalia sold clips"))
     assert natalia["answer"] == "72" and natalia["solution"].endswith("72 clips altogether in April and May.")
@@ -137,45 +138,45 @@ class FixedPolicy:
 def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
     from conftest import make_tokenizer
 
-    task = common.make_addition_task(num_test=4)
+    task = tasks.make_addition_task(num_test=4)
     ex = [{"question": "What is 1 + 2?", "answer": "3"}] * 3
-    assert common.score_correct(task, ["3", "so 4", "it is 3."], ex).tolist() == [1.0, 0.0, 1.0]
+    assert tasks.score_correct(task, ["3", "so 4", "it is 3."], ex).tolist() == [1.0, 0.0, 1.0]
     task.correct_fn = lambda c, e: {"3": True, "4": 0.5}.get(c, "yes")
-    assert common.score_correct(task, ["3", "4"], ex[:2]).dtype == torch.float32
-    one_line_error(common.score_correct, task, ["3", "4", "5\nx"], ex,
+    assert tasks.score_correct(task, ["3", "4"], ex[:2]).dtype == torch.float32
+    one_line_error(tasks.score_correct, task, ["3", "4", "5\nx"], ex,
                    match=r"^correct_fn of task 'addition' returned str on completion 2 \('5\\nx'\); expected True/False")
     task.correct_fn = lambda c, e: 2
-    one_line_error(common.score_correct, task, ["3"], ex[:1], match=r"returned 2.0 on completion 0 .*in \[0, 1\]")
+    one_line_error(tasks.score_correct, task, ["3"], ex[:1], match=r"returned 2.0 on completion 0 .*in \[0, 1\]")
 
     def raises(c, e):
         raise KeyError("multi\nline")
 
     task.correct_fn = raises
-    one_line_error(common.score_correct, task, ["3"], ex[:1], match=r"correct_fn of task 'addition' raised KeyError: 'multi\\nline' on completion 0")
+    one_line_error(tasks.score_correct, task, ["3"], ex[:1], match=r"correct_fn of task 'addition' raised KeyError: 'multi\\nline' on completion 0")
     tok = make_tokenizer()
-    acc, texts = common.greedy_accuracy(FixedPolicy(tok, "3"), tok, ex[:2], common.number_matches, 1, 1, "cpu")
+    acc, texts = tasks.greedy_accuracy(FixedPolicy(tok, "3"), tok, ex[:2], tasks.number_matches, 1, 1, "cpu")
     assert (acc, texts) == (1.0, ["3", "3"])
-    one_line_error(common.greedy_accuracy, FixedPolicy(tok, "3"), tok, ex[:2], raises, 1, 1, "cpu", task_name="sums",
+    one_line_error(tasks.greedy_accuracy, FixedPolicy(tok, "3"), tok, ex[:2], raises, 1, 1, "cpu", task_name="sums",
                    match=r"^correct_fn of task 'sums' raised KeyError: .* on completion 0")
 
 
 def test_task_reward_fn_failures_name_the_task_and_completion_index():
-    task = common.make_addition_task(num_test=4, format_reward=0.5)
+    task = tasks.make_addition_task(num_test=4, format_reward=0.5)
     ex = [{"question": "q", "answer": "25"}] * 3
-    assert common.score_completions(task, ["25", "26", "twenty"], ex).tolist() == [1.5, 0.5, 0.0]
+    assert tasks.score_completions(task, ["25", "26", "twenty"], ex).tolist() == [1.5, 0.5, 0.0]
     for value, match in ((None, r"returned NoneType on completion 1"), (float("nan"), r"returned nan on completion 1"),
                          ("1.0", r"returned str on completion 1"), (10 ** 400, r"returned inf on completion 1")):
         task.reward_fn = lambda c, e, v=value: 1.0 if c == "25" else v
-        one_line_error(common.score_completions, task, ["25", "26"], ex[:2], match=r"^reward function of task 'addition' " + match)
+        one_line_error(tasks.score_completions, task, ["25", "26"], ex[:2], match=r"^reward function of task 'addition' " + match)
     task.reward_fn = lambda c, e: True if c == "25" else False  # a bool is a number: True is 1.0
-    assert common.score_completions(task, ["25", "26"], ex[:2]).tolist() == [1.0, 0.0]
+    assert tasks.score_completions(task, ["25", "26"], ex[:2]).tolist() == [1.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------
 # Reasoning format: <think> ... </think> <answer> ... </answer>, system prompt, assistant prefill
 # ---------------------------------------------------------------------------------------------
 def test_think_answer_format_reward_and_answer_block():
-    fmt = common.think_answer_format_reward
+    fmt = tasks.think_answer_format_reward
     for good in ("<think>a</think><answer>5</answer>", "  <think>\nx < y\n</think>\n\n<answer> 5 </answer>\n",
                  "<think></think><answer>5</answer>"):
         assert fmt(good, {}) == 1.0, good
@@ -184,7 +185,7 @@ def test_think_answer_format_reward_and_answer_block():
                 "<think>a</think><answer>5</answer><answer>6</answer>", "<think>a</think><answer>5", "",
                 "<THINK>a</THINK><ANSWER>5</ANSWER>", "x<think>a</think><answer>5</answer>"):
         assert fmt(bad, {}) == 0.0, bad
-    block = common.extract_answer_block
+    block = tasks.extract_answer_block
     assert block("<think>t</think><answer>\n 42 \n</answer>") == "42"
     assert block("<answer>1</answer> then <answer>2</answer>") == "2"
     assert block("<answer> a <answer> b </answer>") == "b"
@@ -192,14 +193,14 @@ def test_think_answer_format_reward_and_answer_block():
 
 
 def test_with_think_answer_format_reads_the_answer_block():
-    task = common.with_think_answer_format(common.make_addition_task(num_test=4), format_weight=0.1)
+    task = tasks.with_think_answer_format(tasks.make_addition_task(num_test=4), format_weight=0.1)
     assert task.name == "addition" and len(task.train) == 8096
     ex = {"question": "What is 12 + 13?", "answer": "25"}
     responses = ["<think>12 + 13 = 25</think><answer>25</answer>", "<think>hm</think> <answer>26</answer>",
                  "<answer>25</answer>", "12 + 13 = 25", "<think>25</think><answer>it is 25</answer>"]
-    rewards = common.score_completions(task, responses, [ex] * 5)
+    rewards = tasks.score_completions(task, responses, [ex] * 5)
     assert rewards.tolist() == pytest.approx([1.1, 0.1, 1.0, 0.0, 1.1])
-    assert common.score_correct(task, responses, [ex] * 5).tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert tasks.score_correct(task, responses, [ex] * 5).tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
     prefix, completion = "<think>", "12 + 13 = 25</think><answer>25</answer>"  # the scripts score prefix + completion
     assert task.reward_fn(prefix + completion, ex) == pytest.approx(1.1) and task.reward_fn(completion, ex) == pytest.approx(1.0)
 
@@ -218,17 +219,17 @@ CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%
 
 def test_build_prompt_system_prompt_prefill_and_templates_without_a_system_role():
     tok = chat_tokenizer(CHATML)
-    assert common.build_prompt(tok, "What is 1 + 2?") == "<|user|>What is 1 + 2?<|end|><|assistant|>"
-    assert common.build_prompt(tok, "Q?", "Be brief.", "<think>") == "<|system|>Be brief.<|end|><|user|>Q?<|end|><|assistant|><think>"
+    assert tasks.build_prompt(tok, "What is 1 + 2?") == "<|user|>What is 1 + 2?<|end|><|assistant|>"
+    assert tasks.build_prompt(tok, "Q?", "Be brief.", "<think>") == "<|system|>Be brief.<|end|><|user|>Q?<|end|><|assistant|><think>"
     rejects = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHATML)
     drops = ("{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     for template in (rejects, drops):  # the system prompt becomes the user message's first paragraph
-        assert common.build_prompt(chat_tokenizer(template), "Q?", "Be brief.", "<think>") == \
+        assert tasks.build_prompt(chat_tokenizer(template), "Q?", "Be brief.", "<think>") == \
             "<|user|>Be brief.\n\nQ?<|end|><|assistant|><think>"
     plain = chat_tokenizer(None)
-    assert common.build_prompt(plain, "Q?") == "Question: Q?\nAnswer:"
-    assert common.build_prompt(plain, "Q?", "Be brief.", " <think>") == "Be brief.\n\nQuestion: Q?\nAnswer: <think>"
+    assert tasks.build_prompt(plain, "Q?") == "Question: Q?\nAnswer:"
+    assert tasks.build_prompt(plain, "Q?", "Be brief.", " <think>") == "Be brief.\n\nQuestion: Q?\nAnswer: <think>"
 
 
 def test_build_prompt_with_the_default_model_template():
@@ -238,17 +239,17 @@ def test_build_prompt_with_the_default_model_template():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    assert common.build_prompt(tok, "Q?", common.THINK_ANSWER_SYSTEM_PROMPT, "<think>") == (
-        "<|im_start|>system\n" + common.THINK_ANSWER_SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n"
+    assert tasks.build_prompt(tok, "Q?", tasks.THINK_ANSWER_SYSTEM_PROMPT, "<think>") == (
+        "<|im_start|>system\n" + tasks.THINK_ANSWER_SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\nQ?<|im_end|>\n"
         "<|im_start|>assistant\n<think>")
-    assert common.build_prompt(tok, "Q?").startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert tasks.build_prompt(tok, "Q?").startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
 def test_greedy_accuracy_prompts_with_the_prefix_and_checks_prefix_plus_completion():
     tok = chat_tokenizer(None)
     policy = FixedPolicy(tok, " 3")
     ex = [{"question": "What is 1 + 2?", "answer": "3"}]
-    acc, texts = common.greedy_accuracy(policy, tok, ex, lambda r, e: r == "So: 3", 2, 1, "cpu", system_prompt="Add.",
+    acc, texts = tasks.greedy_accuracy(policy, tok, ex, lambda r, e: r == "So: 3", 2, 1, "cpu", system_prompt="Add.",
                                         response_prefix="So:")
     assert (acc, texts) == (1.0, ["So: 3"])
     assert tok.decode(policy.prompts[0]) == "Add.\n\nQuestion: What is 1 + 2?\nAnswer:So:"
@@ -301,21 +302,21 @@ def test_reward_fns_from_files_weighted_sum_and_each_function_alone(tmp_path):
     (tmp_path / "a" / "rewards.py").write_text(REWARDS)
     (tmp_path / "b" / "other.py").write_text("def length(completion, example):\n    return -1.0\n")
     a, b = tmp_path / "a" / "rewards.py", tmp_path / "b" / "other.py"
-    fns = common.load_reward_fns([f"{a}:length", f"{a}:is_answer"], weights=[1.0, 2.0])
+    fns = tasks.load_reward_fns([f"{a}:length", f"{a}:is_answer"], weights=[1.0, 2.0])
     assert [name for name, _ in fns] == ["length", "is_answer"]
     ex = {"question": "q", "answer": "25"}
-    total, each = common.score_reward_fns(fns, ["25", "abcd", ""], [ex] * 3, weights=[1.0, 2.0])
+    total, each = tasks.score_reward_fns(fns, ["25", "abcd", ""], [ex] * 3, weights=[1.0, 2.0])
     assert total.dtype == torch.float32 and total.tolist() == pytest.approx([0.2 + 2.0, 0.4, 0.0])
     assert list(each) == ["length", "is_answer"] and each["is_answer"].tolist() == [1.0, 0.0, 0.0]  # True counts as 1.0
     assert each["length"].tolist() == pytest.approx([0.2, 0.4, 0.0])
-    total, _ = common.score_reward_fns(fns, ["25"], [ex])  # default weights: 1 each
+    total, _ = tasks.score_reward_fns(fns, ["25"], [ex])  # default weights: 1 each
     assert total.tolist() == pytest.approx([1.2])
     with pytest.raises(ValueError):
-        common.score_reward_fns([], ["25"], [ex])
-    names = [n for n, _ in common.load_reward_fns([f"{a}:length", f"{b}:length", f"{a}:length", f"{a}:is_answer"])]
+        tasks.score_reward_fns([], ["25"], [ex])
+    names = [n for n, _ in tasks.load_reward_fns([f"{a}:length", f"{b}:length", f"{a}:length", f"{a}:is_answer"])]
     assert names == ["rewards.length", "other.length", "rewards.length_2", "is_answer"]
     # each file is imported once per call, under its own module name, never from the model's text
-    fns = common.load_reward_fns([f"{a}:returns_none", f"{a}:length"])
+    fns = tasks.load_reward_fns([f"{a}:returns_none", f"{a}:length"])
     assert fns[0][1].__globals__ is fns[1][1].__globals__
 
 
@@ -325,7 +326,7 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
     (tmp_path / "syntax.py").write_text("def f(completion, example):\n    return (\n")
     (tmp_path / "boom.py").write_text("raise RuntimeError('needs a GPU\\nreally')\n")
     (tmp_path / "rewards.txt").write_text(REWARDS)
-    load = common.load_reward_fns
+    load = tasks.load_reward_fns
     for spec, match in [
         ("rewards.py", r"^--reward-fn: expected path/to/file.py:function_name, got 'rewards.py'$"),
         (f"{good}:", r"^--reward-fn: expected path/to/file.py:function_name"),
@@ -343,17 +344,17 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
                    match=r"^--reward-weights: got 1 weights for 2 reward functions \(--reward-fn\)")
     one_line_error(load, [f"{good}:length"], weights=[math.nan], match=r"^--reward-weights: weights must be finite")
     fns = load([f"{good}:length", f"{good}:returns_none", f"{good}:raises", f"{good}:returns_nan", f"{good}:always"])
-    one_line_error(common.score_reward_fns, fns, ["a"], [{}], weights=[1.0, 1.0], match=r"^--reward-weights: got 2 weights for 5")
+    one_line_error(tasks.score_reward_fns, fns, ["a"], [{}], weights=[1.0, 1.0], match=r"^--reward-weights: got 2 weights for 5")
     texts, exs = ["ok", "two\nlines"], [{}, {}]
     for name, match in [("returns_none", r"returned NoneType on completion 0 \('ok'\); expected a number"),
                         ("raises", r"raised ValueError: bad completion on completion 0 \('ok'\)"),
                         ("returns_nan", r"returned nan on completion 0 \('ok'\); expected a finite number"),
                         ("always", r"returned str on completion 0 \('ok'\)")]:
         fn = dict(fns)[name]
-        one_line_error(common.score_reward_fns, [("length", dict(fns)["length"]), (name, fn)], texts, exs,
+        one_line_error(tasks.score_reward_fns, [("length", dict(fns)["length"]), (name, fn)], texts, exs,
                        match=rf"^reward function {re.escape(str(good))}:{name.title() if name == 'always' else name} " + match)
     length = dict(fns)["length"]
-    one_line_error(common.score_reward_fns, [("a", length), ("b", length)], ["0123456789"], [{}], weights=[1.7e308, 1.7e308],
+    one_line_error(tasks.score_reward_fns, [("a", length), ("b", length)], ["0123456789"], [{}], weights=[1.7e308, 1.7e308],
                    match=r"^the weighted sum of the rewards is inf on completion 0 \('0123456789'\); lower --reward-weights$")
 
 
@@ -363,7 +364,7 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
 def test_exact_arithmetic_value_parses_only_numbers_and_four_operators():
     from fractions import Fraction
 
-    value = common.exact_arithmetic_value
+    value = tasks.exact_arithmetic_value
     assert value("(1 + 2) * 3") == (Fraction(9), [1, 2, 3])
     assert value(" 7 / 2 ") == (Fraction(7, 2), [7, 2])
     assert value("10 - 4 × 2 ÷ 4") == (Fraction(8), [10, 4, 2, 4])
@@ -379,12 +380,12 @@ EX = {"question": "...", "numbers": [3, 5, 2, 7], "target": 9, "answer": "9"}
 
 
 def test_countdown_expression_and_correctness():
-    expr = common.countdown_expression
+    expr = tasks.countdown_expression
     assert expr("<think>8 * 2 = 16</think>\n<answer> (3 + 5) * 2 - 7 </answer>") == "(3 + 5) * 2 - 7"
     assert expr("Let me see.\nStep 2: 5 * 3 = 15\n\n") == "5 * 3 = 15"
     assert expr("so (3 + 5) * 2 = 16.") == "(3 + 5) * 2 = 16"
     assert expr("no numbers here") is None and expr("") is None
-    correct = common.countdown_correct
+    correct = tasks.countdown_correct
     for response in ("<answer>(3 + 5) * 2 - 7</answer>", "<answer>(5 + 3) * 2 - 7 = 9</answer>",
                      "<answer>2 * (3 + 5) - 7 = 18 / 2</answer>", "I found it:\n(3 + 5) * 2 - 7 = 9",
                      "<think>x</think><answer>(3 + 5) × 2 − 7</answer>".replace("−", "-")):
@@ -399,7 +400,7 @@ def test_countdown_expression_and_correctness():
         assert not correct(response, EX), response
     assert correct("<answer>6 / 4 * 3 * 2</answer>", {"numbers": [2, 3, 4, 6], "target": 9})  # 1.5 on the way
     assert not correct("<answer>3 / (5 - 5) + 1</answer>", {"numbers": [5, 5, 3, 1], "target": 1})
-    reward = common.countdown_reward
+    reward = tasks.countdown_reward
     assert reward("<answer>(3 + 5) * 2 - 7</answer>", EX) == pytest.approx(1.1)
     assert reward("<answer>7 + 2</answer>", EX) == pytest.approx(0.1) and reward("<answer>nonsense</answer>", EX) == pytest.approx(0.1)
     assert reward("(3 + 5) * 2 - 7", EX) == 1.0 and reward("no idea", EX) == 0.0
@@ -409,21 +410,23 @@ def test_countdown_expression_and_correctness():
 def test_countdown_expressions_may_span_lines():
     from fractions import Fraction
 
-    value = common.exact_arithmetic_value
+    value = tasks.exact_arithmetic_value
     for text in ("(3 + 5) * 2\n- 7", "(3 + 5) * 2\r\n- 7", "(3 + 5)\t*\n2 -\r7"):  # white space is white space
         assert value(text) == (Fraction(9), [3, 5, 2, 7]), repr(text)
     assert value("3 + 5\n* 2 - 7") == (Fraction(6), [3, 5, 2, 7])  # one expression: * binds first
     for response in ("<answer>(3 + 5) * 2\n- 7</answer>", "<answer>\r\n(3 + 5) * 2\r\n- 7\r\n</answer>",
                      "<think>x</think><answer>(3 + 5) * 2 - 7\n= 9</answer>"):
-        assert common.countdown_correct(response, EX), repr(response)
-    assert not common.countdown_correct("<answer>3 + 5\n* 2 - 7</answer>", EX)  # 6
+        assert tasks.countdown_correct(response, EX), repr(response)
+    assert not tasks.countdown_correct("<answer>3 + 5\n* 2 - 7</answer>", EX)  # 6
 
 
 @pytest.fixture(scope="module")
 def countdown_think_task():
     import grpo_lm
 
-    return common.make_task(grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4))
+    args = grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4)
+    return tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field,
+                           args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)
 
 
 @pytest.mark.parametrize("response, correct", [
@@ -438,7 +441,7 @@ def countdown_think_task():
 def test_countdown_in_the_think_format_reads_the_whole_answer_block(response, correct, countdown_think_task):
     # the answer block is the expression, as in plain mode: no fallback to the last arithmetic on its last line
     task = countdown_think_task
-    assert task.correct_fn(response, EX) is correct == common.countdown_correct(response, EX)
+    assert task.correct_fn(response, EX) is correct == tasks.countdown_correct(response, EX)
     assert task.reward_fn(response, EX) == pytest.approx(correct + 0.1)  # + the think/answer format
 
 
@@ -446,7 +449,7 @@ def test_countdown_task_is_generated_offline_solvable_and_split():
     import time
 
     start = time.perf_counter()
-    task = common.make_countdown_task(num_test=128)
+    task = tasks.make_countdown_task(num_test=128)
     assert time.perf_counter() - start < 10  # about 0.1 s on the 2-core machine
     assert task.name == "countdown" and len(task.train) == 10_000 - 128 and len(task.test) == 128
     first = task.test[0]
@@ -460,20 +463,20 @@ def test_countdown_task_is_generated_offline_solvable_and_split():
         assert task.correct_fn(f"<answer>{ex['solution']}</answer>", ex) and ex["answer"] == str(ex["target"])
         keys.add((tuple(sorted(ex["numbers"])), ex["target"]))
     assert len(keys) == 10_000  # no problem twice, so none is both trained on and held out
-    small = common.make_countdown_task(num_test=5, num_problems=200)
-    assert small.test == task.test[:5] == common.make_countdown_task(num_test=5, num_problems=200).test  # every run
-    assert common.make_countdown_task(num_test=5, num_problems=200, split_seed=7).test != small.test
-    small = common.make_countdown_task(num_test=2, num_problems=20, num_numbers=3, max_number=9, max_target=20)
+    small = tasks.make_countdown_task(num_test=5, num_problems=200)
+    assert small.test == task.test[:5] == tasks.make_countdown_task(num_test=5, num_problems=200).test  # every run
+    assert tasks.make_countdown_task(num_test=5, num_problems=200, split_seed=7).test != small.test
+    small = tasks.make_countdown_task(num_test=2, num_problems=20, num_numbers=3, max_number=9, max_target=20)
     assert all(len(ex["numbers"]) == 3 and ex["target"] <= 20 for ex in small.train + small.test)
-    assert common.score_completions(task, [f"<answer>{first['solution']}</answer>", "no"], [first] * 2).tolist() == \
+    assert tasks.score_completions(task, [f"<answer>{first['solution']}</answer>", "no"], [first] * 2).tolist() == \
         pytest.approx([1.1, 0.0])
-    think = common.with_think_answer_format(task)  # the format's 0.1 replaces the answer block's 0.1
+    think = tasks.with_think_answer_format(task)  # the format's 0.1 replaces the answer block's 0.1
     assert think.reward_fn(f"<think>45 + 15</think><answer>{first['solution']}</answer>", first) == pytest.approx(1.1)
     assert think.reward_fn("<think>no</think><answer>57 + 15</answer>", first) == pytest.approx(0.1)
-    one_line_error(common.make_countdown_task, num_problems=50, num_numbers=2, max_number=2, max_target=4,
+    one_line_error(tasks.make_countdown_task, num_problems=50, num_numbers=2, max_number=2, max_target=4,
                    match=r"^--task countdown: only \d+ distinct problems")
-    one_line_error(common.make_countdown_task, num_numbers=1, match=r"^--task countdown: needs at least 2 numbers")
-    one_line_error(common.make_countdown_task, num_test=10, num_problems=10, match=r"^--eval-size 10: task 'countdown' has 10")
+    one_line_error(tasks.make_countdown_task, num_numbers=1, match=r"^--task countdown: needs at least 2 numbers")
+    one_line_error(tasks.make_countdown_task, num_test=10, num_problems=10, match=r"^--eval-size 10: task 'countdown' has 10")
 
 
 # the first held-out problem with split_seed 1234; its solution checked by hand: (57 - 12) + (15 * 1) = 45 + 15 = 60
@@ -491,13 +494,13 @@ def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
     import time
 
     start = time.perf_counter()
-    assert common.find_arithmetic_steps(" + ".join(["1"] * 10) + " apples, " + " + ".join(["2"] * 200) + " pears") == []
+    assert tasks.find_arithmetic_steps(" + ".join(["1"] * 10) + " apples, " + " + ".join(["2"] * 200) + " pears") == []
     assert time.perf_counter() - start < 1.0  # ~1 ms now
     # GSM8K train line 5620, which stalled the old pattern; its two calculations, both right
     text = ("Jack's till has 2 * $100 + 1 * $50 + 5 * $20 + 3 * $10 + 7 * $5 + 27 * $1 bills, or $200 + $50 + $100 + "
             "$30 + $35 + $27 = $<<2*100+1*50+5*20+3*10+7*5+27*1=442>>442.\nHe's going to leave $300 in the till and "
             "turn the rest in to the office, so he'll be turning in $442 - $300 = $142.\n#### 142")
     first = text.index("=442") + len("=442")
-    assert common.find_arithmetic_steps(text) == [(first, True), (text.index("= $142") + len("= $142"), True)]
-    assert common.find_arithmetic_steps("( 3 + 4 ) * 2 = 14, then -2 * ( 5 ) = -10 and 7 -  - 1 = 9") == \
+    assert tasks.find_arithmetic_steps(text) == [(first, True), (text.index("= $142") + len("= $142"), True)]
+    assert tasks.find_arithmetic_steps("( 3 + 4 ) * 2 = 14, then -2 * ( 5 ) = -10 and 7 -  - 1 = 9") == \
         [(18, True), (41, True), (58, False)]
