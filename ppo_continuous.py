@@ -46,16 +46,13 @@ from torch.distributions.normal import Normal
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-PathPart = Annotated[
-    str, pydantic.StringConstraints(pattern=r"^[^/\\\x00]+$")
-]  # no '/', backslash or NUL
+# a name that can be part of a path: no '/', backslash or NUL
+PathPart = Annotated[str, pydantic.StringConstraints(pattern=r"^[^/\\\x00]+$")]
 
 
 @pydantic.with_config(pydantic.ConfigDict(allow_inf_nan=False, extra="forbid"))
 @dataclasses.dataclass
-class Args:
-    """The flags, each with its constraints (checked by :func:`validate`) and its --help text."""
-
+class Args:  # the flags, each with its constraints (checked by validate()) and --help text
     exp_name: PathPart = "ppo_continuous"  # the name of this experiment (part of the run's name)
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1  # all randomness flows from it
     torch_deterministic: bool = True  # if toggled, sets `torch.backends.cudnn.deterministic=True`
@@ -93,10 +90,8 @@ class Args:
     target_kl: Annotated[float, Gt(0)] | None = None  # stop an update once approx_kl exceeds it
     #: bootstrap from V(final observation) at time-limit truncations (off: CleanRL)
     bootstrap_truncation: bool = True
-    obs_clip: Annotated[float, Gt(0)] = (
-        10.0  # clip normalised observations to +-obs_clip (cont. #7)
-    )
-    reward_clip: Annotated[float, Gt(0)] = 10.0  # clip scaled rewards to +-reward_clip (cont. #9)
+    obs_clip: Annotated[float, Gt(0)] = 10.0  # clip normalised observations to +-this (cont. #7)
+    reward_clip: Annotated[float, Gt(0)] = 10.0  # clip scaled rewards to +-this (cont. #9)
 
     # computed after parsing, not flags
     batch_size: tyro.conf.Suppress[int] = 0  # num_envs * num_steps
@@ -116,10 +111,8 @@ def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.
 
 def mlp(in_dim: int, out_dim: int, std: float) -> nn.Sequential:
     """``(B, in_dim) -> (B, out_dim)``: two tanh layers of 64, an output layer of gain ``std``."""
-    first, second = layer_init(nn.Linear(in_dim, 64)), layer_init(nn.Linear(64, 64))
-    return nn.Sequential(
-        first, nn.Tanh(), second, nn.Tanh(), layer_init(nn.Linear(64, out_dim), std)
-    )
+    layers = [layer_init(nn.Linear(in_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64))]
+    return nn.Sequential(*layers, nn.Tanh(), layer_init(nn.Linear(64, out_dim), std))
 
 
 class Agent(nn.Module):
@@ -466,16 +459,11 @@ def check_env_id(env_id: str) -> tuple[int, int]:
         raise UsageError(f"--env-id: cannot make {env_id!r}: {first_line(e)}{cause}") from None
     obs_space, act_space = env.observation_space, env.action_space
     env.close()
-    kind = type(act_space).__name__
-    check(
-        isinstance(act_space, gym.spaces.Box),
-        f"--env-id: {env_id} has a {kind} action space; "
-        "this script needs a continuous (Box) one (use a discrete-action PPO for it)",
-    )
-    check(
-        isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1,
-        f"--env-id: {env_id} needs a flat Box observation space, got {obs_space}",
-    )
+    box = "this script needs a continuous (Box) one (use a discrete-action PPO for it)"
+    discrete = f"--env-id: {env_id} has a {type(act_space).__name__} action space; {box}"
+    check(isinstance(act_space, gym.spaces.Box), discrete)
+    flat = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
+    check(flat, f"--env-id: {env_id} needs a flat Box observation space, got {obs_space}")
     return int(obs_space.shape[0]), int(np.prod(act_space.shape))
 
 
@@ -543,12 +531,8 @@ def set_norm_state(envs, state: dict, update: bool = True) -> None:
     normalisers (gymnasium's ``update_running_mean``), as for evaluation. Raises UsageError when
     the statistics do not fit the env's observations."""
     obs, ret = envs.normalizers[0].obs_rms, envs.normalizers[1].return_rms
-    shape = np.shape(state["obs_mean"])
-    check(
-        shape == obs.mean.shape,
-        f"checkpoint: observation statistics of shape {shape} do not "
-        f"fit observations of shape {obs.mean.shape}",
-    )
+    shape, fits = np.shape(state["obs_mean"]), f"observations of shape {obs.mean.shape}"
+    check(shape == obs.mean.shape, f"checkpoint: statistics of shape {shape} do not fit {fits}")
     for rms, key in ((obs, "obs"), (ret, "ret")):
         rms.mean, rms.var = np.array(state[f"{key}_mean"]), np.array(state[f"{key}_var"])
         rms.count = state[f"{key}_count"]
@@ -613,13 +597,16 @@ def main(args: Args | None = None):
 
 def cli(argv: list[str] | None = None) -> None:
     """:func:`main` on ``argv``; a UsageError ends with one ``error: ...`` line on stderr (by rank
-    0 only, under torchrun) and exit code 2."""
+    0 only, under torchrun) and exit code 2; Ctrl-C, "interrupted" and exit code 130."""
     try:
         main(parse_args(argv))
     except UsageError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def parse_args(argv: list[str] | None = None, default: Args | None = None) -> Args:
@@ -761,15 +748,14 @@ def load_checkpoint(path: str | Path, flag: str = "--resume") -> dict:
     return ckpt
 
 
-def check_checkpoint_fits(
-    ckpt: dict, path: str, flag: str, env_id: str, obs_dim: int, act_dim: int
-):
+def check_checkpoint_fits(ckpt: dict, path: str, flag: str, env_id: str, obs_dim, act_dim):
     """Refuse, before any vector env is made, a checkpoint whose networks or observation
     statistics do not fit an ``Agent(obs_dim, act_dim)`` for ``env_id``."""
     with torch.random.fork_rng(devices=[]):  # a throw-away Agent for its shapes; the RNG stays
         expected = {k: v.shape for k, v in Agent(obs_dim, act_dim).state_dict().items()}
-    fits = {k: np.shape(v) for k, v in ckpt["agent"].items()} == expected
-    fits &= np.shape(ckpt["norm"].get("obs_mean")) == (obs_dim,)
+    agent, norm = ckpt["agent"], ckpt["norm"]
+    fits = isinstance(agent, dict) and {k: np.shape(v) for k, v in agent.items()} == expected
+    fits = fits and isinstance(norm, dict) and np.shape(norm.get("obs_mean")) == (obs_dim,)
     sizes = f"(observation size {obs_dim}, action size {act_dim})"
     check(fits, f"{flag}: the networks in {path} do not fit {env_id} {sizes}")
 
@@ -781,9 +767,10 @@ def first_non_finite(obj, path: str = "") -> str | None:
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         found = (first_non_finite(v, f"{path}.{k}" if path else str(k)) for k, v in items)
         return next((p for p in found if p is not None), None)
-    if isinstance(obj, (torch.Tensor, np.ndarray, np.floating)):
-        x = torch.as_tensor(obj)
-        return path if x.is_floating_point() and not torch.isfinite(x).all() else None
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+        return None if torch.isfinite(obj).all() else path
+    if isinstance(obj, (np.ndarray, np.floating)) and np.issubdtype(obj.dtype, np.inexact):
+        return None if np.isfinite(obj).all() else path
     return None
 
 
@@ -887,20 +874,19 @@ def check_video(capture_video: bool, env_id: str, directory: Path) -> str | None
     if not capture_video:
         return None
     check_writable_dir(directory, "--capture-video")
-    hint = "install it with: pip install moviepy"
-    check(
-        importlib.util.find_spec("moviepy") is not None, f"--capture-video: needs moviepy; {hint}"
-    )
-    if sys.platform == "linux" and not os.environ.get("DISPLAY", os.environ.get("WAYLAND_DISPLAY")):
+    moviepy = importlib.util.find_spec("moviepy") is not None
+    check(moviepy, "--capture-video: needs moviepy; install it with: pip install moviepy")
+    if sys.platform == "linux" and not (os.getenv("DISPLAY") or os.getenv("WAYLAND_DISPLAY")):
         os.environ.setdefault("MUJOCO_GL", "egl")
     try:
         env = gym.make(env_id, render_mode="rgb_array")
         env.reset(seed=0)
-        frame = env.render()
+        if np.ndim(env.render()) != 3:
+            raise RuntimeError("it rendered no RGB frame")
         env.close()
     except Exception as e:  # noqa: BLE001 - GL and renderer errors have no common base class
-        frame = f"{type(e).__name__}: {first_line(e)[:120]}; try MUJOCO_GL=egl or MUJOCO_GL=osmesa"
-    check(isinstance(frame, np.ndarray), f"--capture-video: cannot render {env_id} ({frame})")
+        why = f"{type(e).__name__}: {first_line(e)[:120]}; try MUJOCO_GL=egl or MUJOCO_GL=osmesa"
+        raise UsageError(f"--capture-video: cannot render {env_id} ({why})") from None
     return str(directory)
 
 
