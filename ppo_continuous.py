@@ -791,20 +791,29 @@ def check_finite(ckpt_path: Path, iteration: int, epoch: int | None = None, **te
 
 def atomic_save(obj: dict, path: Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace`` (atomic): a
-    kill at any moment leaves the previous checkpoint whole. Raises UsageError, writing nothing,
-    when ``obj`` holds a NaN or an inf, or when the file cannot be written."""
+    kill at any moment leaves the previous checkpoint whole (and a temporary file that the next
+    save overwrites). Raises UsageError, writing nothing, when ``obj`` holds a NaN or an inf or the
+    file cannot be written (disk full, read-only directory)."""
+    kept = "the previous checkpoint there is intact" if path.is_file() else "none was written yet"
     bad = first_non_finite(obj)
-    check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf)")
+    check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf); {kept}")
     tmp = path.with_name(f".{path.name}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        tmp.unlink(missing_ok=True)
-        raise UsageError(f"cannot write checkpoint {path}: {first_line(e)}") from None
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        error = e if isinstance(e, OSError) else e.__context__
+        if not isinstance(error, OSError):  # not the disk's fault: a bug, with its traceback
+            raise
+        raise UsageError(
+            f"cannot write checkpoint {path}: {error.strerror or error}; {kept}"
+        ) from None
 
 
 def checkpoint_dict(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -722,3 +724,103 @@ def test_ppo_loss_refuses_minibatches_too_small_to_normalise():
         norm_adv=False,
     )
     assert torch.isfinite(loss)
+
+
+# ----------------------------------------------------------------------------------------------
+# the script's own plumbing: atomic checkpoints (kill -9 safe) and TensorBoard purge on resume
+# ----------------------------------------------------------------------------------------------
+def test_atomic_save_refuses_non_finite_values_and_disk_errors_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "run" / "checkpoint.pt"
+    with pytest.raises(pc.UsageError) as err:
+        pc.atomic_save({"agent": {"w": torch.ones(2), "b": torch.tensor([0.0, math.nan])}}, path)
+    assert str(err.value) == (
+        f"not saving {path}: agent.b holds non-finite values (NaN or inf); none was written yet"
+    )
+    assert not path.parent.exists()
+    pc.atomic_save({"step": 1, "norm": {"var": np.ones(2)}}, path)
+    before = path.read_bytes()
+    for obj, where in [
+        ({"optimizer": [{"exp_avg": torch.tensor([math.inf])}]}, "optimizer.0.exp_avg"),
+        ({"norm": {"var": np.array([1.0, -math.inf])}}, "norm.var"),
+        ({"norm": {"count": np.float64(math.nan)}}, "norm.count"),
+    ]:
+        with pytest.raises(pc.UsageError, match=rf"^not saving .*: {where} holds non-finite .*"):
+            pc.atomic_save(obj, path)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pc.os, "fsync", disk_full)
+    with pytest.raises(pc.UsageError) as err:
+        pc.atomic_save({"step": 2}, path)
+    assert str(err.value) == (
+        f"cannot write checkpoint {path}: No space left on device; "
+        "the previous checkpoint there is intact"
+    )
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+_SAVER = """
+import sys, time, torch
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import ppo_continuous as pc
+
+path, weights = Path({path!r}), torch.randn(1_000_000)
+pc.atomic_save({{"step": 1, "weights": weights}}, path)
+print("saved", flush=True)
+
+
+def half_then_wait(obj, f):  # killed while the temporary file is half written
+    f.write(b"half a checkpoint")
+    f.flush()
+    print("mid-write", flush=True)
+    time.sleep(60)
+
+
+def wait(fd):  # killed once the temporary file is whole, before it replaces the checkpoint
+    print("before-rename", flush=True)
+    time.sleep(60)
+
+
+if {moment!r} == "mid-write":
+    torch.save = half_then_wait
+else:
+    pc.os.fsync = wait
+pc.atomic_save({{"step": 2, "weights": weights}}, path)
+"""
+
+
+@pytest.mark.parametrize("moment", ["mid-write", "before-rename"])
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, moment):
+    path = tmp_path / "checkpoint.pt"
+    code = _SAVER.format(root=str(ROOT), path=str(path), moment=moment)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert [proc.stdout.readline().strip() for _ in range(2)] == ["saved", moment]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(path, weights_only=False)
+    assert saved["step"] == 1 and saved["weights"].shape == (1_000_000,)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.tmp", "checkpoint.pt"]
+    pc.atomic_save({"step": 3}, path)  # the next save overwrites what the killed one left
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_run_resumed_within_the_same_second_shows_each_step_once(tmp_path, monkeypatch):
+    # TensorBoard reads event files in name order and purges only what it has read: names start
+    # with the second they were made in, then host, pid and a per-process counter, so in the same
+    # second "...10" sorts before "...9"
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    while time.time() % 1 > 0.5:  # start early in a second: the resume comes within it
+        time.sleep(0.01)
+    writer = pc.make_writer(tmp_path, pc.Args(), purge_step=None)
+    for step in range(1, 4):
+        writer.add_scalar("loss", float(step), step)
+    writer.close()
+    resumed = pc.make_writer(tmp_path, pc.Args(), purge_step=3)
+    resumed.add_scalar("loss", 30.0, 3)
+    resumed.close()
+    assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert json.loads((tmp_path / "args.json").read_text())["env_id"] == "HalfCheetah-v5"
