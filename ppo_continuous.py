@@ -302,6 +302,7 @@ def train(args: Args) -> dict:
     writer = make_writer(run_dir, args, purge_step=None if ckpt is None else global_step + 1)
     episodes, masked_steps = [], 0  # (global step, return, length) of each episode; autoreset steps
     start = (time.time(), time.process_time(), global_step)  # for the speeds
+    save_every = args.save_every or args.num_iterations  # 0: only at the end
     pbar = tqdm(total=args.num_iterations * args.batch_size, initial=global_step, unit="step")
 
     try:
@@ -401,7 +402,7 @@ def train(args: Args) -> dict:
             if episodes:
                 pbar.set_postfix(ret=f"{episodes[-1][1]:.1f}", sps=sps, refresh=False)
 
-            if iteration == args.num_iterations or iteration % (args.save_every or -1) == 0:
+            if iteration % save_every == 0 or iteration == args.num_iterations:
                 state = checkpoint_dict(agent, optimizer, envs, args, iteration, global_step)
                 atomic_save(state, ckpt_path)
     finally:  # also on an error: the progress bar ends its line, the logs reach the disk

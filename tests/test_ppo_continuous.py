@@ -555,6 +555,17 @@ def _train_killed_after(tmp_path, monkeypatch, kill_after: int, **kw) -> tuple[d
     return s, Path(s["run_dir"]) / "killed.pt"
 
 
+@pytest.mark.parametrize("save_every, saved", [(0, [4]), (1, [1, 2, 3, 4]), (3, [3, 4])])
+def test_checkpoints_are_written_every_save_every_iterations_and_at_the_end(
+    tmp_path, monkeypatch, save_every, saved
+):
+    iterations = []
+    monkeypatch.setattr(pc, "atomic_save", lambda obj, path: iterations.append(obj["iteration"]))
+    kw = dict(env_id="CountingEnv-v0", num_steps=4, num_minibatches=1, total_timesteps=16)
+    pc.train(pc.validate(pc.Args(runs_dir=str(tmp_path), save_every=save_every, **kw)))
+    assert iterations == saved
+
+
 def test_resume_is_exact_when_no_episode_is_in_flight_and_logs_each_step_once(
     tmp_path, monkeypatch
 ):
