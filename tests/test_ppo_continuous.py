@@ -708,32 +708,10 @@ def test_non_finite_update_stops_the_run_before_anything_is_saved(tmp_path):
 
 def test_ppo_loss_refuses_minibatches_too_small_to_normalise():
     agent, obs, actions, old_logprobs, v = _loss_batch()
+    one = (obs[:1], actions[:1], old_logprobs[:1], torch.ones(1), v[:1], v[:1], 0.2, 0.5, 0.0)
     with pytest.raises(ValueError, match="at least 2"):
-        pc.ppo_loss(
-            agent,
-            obs[:1],
-            actions[:1],
-            old_logprobs[:1],
-            torch.ones(1),
-            v[:1],
-            v[:1],
-            0.2,
-            0.5,
-            0.0,
-        )
-    loss, _ = pc.ppo_loss(
-        agent,
-        obs[:1],
-        actions[:1],
-        old_logprobs[:1],
-        torch.ones(1),
-        v[:1],
-        v[:1],
-        0.2,
-        0.5,
-        0.0,
-        norm_adv=False,
-    )
+        pc.ppo_loss(agent, *one)
+    loss, _ = pc.ppo_loss(agent, *one, norm_adv=False)
     assert torch.isfinite(loss)
 
 
