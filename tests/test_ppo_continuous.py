@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -26,8 +28,8 @@ from gymnasium.wrappers.utils import RunningMeanStd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
 from conftest import tb_scalars  # noqa: E402
+
 import ppo_continuous as pc  # noqa: E402
 
 torch.set_num_threads(1)
@@ -53,7 +55,13 @@ class CountingEnv(gym.Env):
     def step(self, action):
         self.t += 1
         end = self.t >= self.length
-        return np.array([self.t], np.float32), 1.0, end and not self.truncate, end and self.truncate, {}
+        return (
+            np.array([self.t], np.float32),
+            1.0,
+            end and not self.truncate,
+            end and self.truncate,
+            {},
+        )
 
 
 gym.register("CountingEnv-v0", entry_point=CountingEnv)
@@ -122,7 +130,7 @@ def test_gae_matches_naive_reference_on_random_data():
 # ----------------------------------------------------------------------------------------------
 def test_autoreset_steps_are_masked_and_every_episode_is_logged():
     # sub-env seeds 0 and 1 give episode lengths 2 and 3; both envs finish on step 10
-    envs = pc.make_envs("CountingEnv-v0", 2)
+    envs = pc.make_envs(pc.Args(env_id="CountingEnv-v0", num_envs=2))
     envs.reset(seed=0)
     next_valid = np.ones(2)
     valid, rewards, episodes = [], [], []
@@ -138,21 +146,38 @@ def test_autoreset_steps_are_masked_and_every_episode_is_logged():
     # exactly the masked steps are the autoreset ones, which pay reward 0
     assert np.all(rewards[valid == 0] == 0) and np.all(rewards[valid == 1] > 0)
     assert episodes == [
-        (1, 0, 2.0, 2), (2, 1, 3.0, 3), (4, 0, 2.0, 2), (6, 1, 3.0, 3), (7, 0, 2.0, 2),
-        (10, 0, 2.0, 2), (10, 1, 3.0, 3),  # two envs finishing on the same step: both logged
+        (1, 0, 2.0, 2),
+        (2, 1, 3.0, 3),
+        (4, 0, 2.0, 2),
+        (6, 1, 3.0, 3),
+        (7, 0, 2.0, 2),
+        (10, 0, 2.0, 2),
+        (10, 1, 3.0, 3),  # two envs finishing on the same step: both logged
     ]
     envs.close()
 
 
 @pytest.mark.parametrize("env_id", ["CountingEnv-v0", "CountingTruncEnv-v0"])
 def test_training_loop_masks_autoreset_steps(tmp_path, env_id):
-    args = pc.validate_args(pc.Args(env_id=env_id, num_envs=2, num_steps=12, num_minibatches=2, update_epochs=1,
-                                    total_timesteps=24, seed=0, runs_dir=str(tmp_path)))
+    args = pc.validate(
+        pc.Args(
+            env_id=env_id,
+            num_envs=2,
+            num_steps=12,
+            num_minibatches=2,
+            update_epochs=1,
+            total_timesteps=24,
+            seed=0,
+            runs_dir=str(tmp_path),
+        )
+    )
     s = pc.train(args)
     # env 0 (length 2) finishes on steps 1, 4, 7, 10; env 1 (length 3) on steps 2, 6, 10; each
     # following step is an autoreset step, left out of the update
     assert s["masked_steps"] == 7
-    assert sorted((round(r), length) for _, r, length in s["episodes"]) == [(2, 2)] * 4 + [(3, 3)] * 3
+    assert (
+        sorted((round(r), length) for _, r, length in s["episodes"]) == [(2, 2)] * 4 + [(3, 3)] * 3
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,7 +189,11 @@ def test_fast_running_mean_std_is_gymnasium_bit_for_bit():
     for i in range(300):
         x = rng.normal(3.0, 2.0, size=(1 if i % 7 else 4, 5))
         ours.update(x), ref.update(x)
-    assert np.array_equal(ours.mean, ref.mean) and np.array_equal(ours.var, ref.var) and ours.count == ref.count
+    assert (
+        np.array_equal(ours.mean, ref.mean)
+        and np.array_equal(ours.var, ref.var)
+        and ours.count == ref.count
+    )
     s_ours, s_ref = pc.FastRunningMeanStd(shape=()), RunningMeanStd(shape=())
     for r in rng.normal(size=200).astype(np.float32):
         s_ours.update(np.array([r])), s_ref.update(np.array([r]))
@@ -172,30 +201,42 @@ def test_fast_running_mean_std_is_gymnasium_bit_for_bit():
 
 
 def _short_run(tmp_path, **kw) -> dict:
-    args = dict(env_id="InvertedPendulum-v5", total_timesteps=512, num_steps=256, num_minibatches=4,
-                update_epochs=2, seed=3, runs_dir=str(tmp_path))
+    args = dict(
+        env_id="InvertedPendulum-v5",
+        total_timesteps=512,
+        num_steps=256,
+        num_minibatches=4,
+        update_epochs=2,
+        seed=3,
+        runs_dir=str(tmp_path),
+    )
     args.update(kw)
-    return pc.train(pc.validate_args(pc.Args(**args)))
+    return pc.train(pc.validate(pc.Args(**args)))
 
 
 def test_normalisation_statistics_restored_bit_for_bit(tmp_path):
     s = _short_run(tmp_path)
-    ckpt = common.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
+    ckpt = pc.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
     saved = ckpt["norm"]
     assert saved["obs_count"] > 500 and saved["ret_count"] > 400  # really trained statistics
     assert set(ckpt) >= {"agent", "optimizer", "iteration", "global_step", "rng", "norm", "args"}
 
-    envs = pc.make_envs("InvertedPendulum-v5", 1)
+    envs = pc.make_envs(pc.Args(env_id="InvertedPendulum-v5"))
     pc.set_norm_state(envs, saved, update=False)  # frozen, as for evaluation
     restored = pc.get_norm_state(envs)
     for k in saved:
-        assert np.array_equal(restored[k], saved[k]) and np.asarray(restored[k]).dtype == np.asarray(saved[k]).dtype, k
+        assert (
+            np.array_equal(restored[k], saved[k])
+            and np.asarray(restored[k]).dtype == np.asarray(saved[k]).dtype
+        ), k
 
     # the restored statistics are the ones applied, and stay frozen while stepping
     raw_env = gym.make("InvertedPendulum-v5")
     raw, _ = raw_env.reset(seed=5)
     obs, _ = envs.reset(seed=5)
-    expected = np.clip((raw - saved["obs_mean"]) / np.sqrt(saved["obs_var"] + 1e-8), -10, 10).astype(np.float32)
+    expected = np.clip(
+        (raw - saved["obs_mean"]) / np.sqrt(saved["obs_var"] + 1e-8), -10, 10
+    ).astype(np.float32)
     np.testing.assert_array_equal(obs[0], expected)
     for _ in range(20):
         envs.step(np.zeros((1, 1), np.float32))
@@ -203,13 +244,13 @@ def test_normalisation_statistics_restored_bit_for_bit(tmp_path):
     assert all(np.array_equal(after[k], saved[k]) for k in saved)
     envs.close()
 
-    with pytest.raises(common.UsageError):  # statistics of another env do not fit
-        pc.set_norm_state(pc.make_envs("Pendulum-v1", 1), saved)
+    with pytest.raises(pc.UsageError):  # statistics of another env do not fit
+        pc.set_norm_state(pc.make_envs(pc.Args(env_id="Pendulum-v1")), saved)
 
 
 def test_same_seed_same_networks(tmp_path):
-    a = common.load_checkpoint(Path(_short_run(tmp_path / "a")["run_dir"]) / "checkpoint.pt")
-    b = common.load_checkpoint(Path(_short_run(tmp_path / "b")["run_dir"]) / "checkpoint.pt")
+    a = pc.load_checkpoint(Path(_short_run(tmp_path / "a")["run_dir"]) / "checkpoint.pt")
+    b = pc.load_checkpoint(Path(_short_run(tmp_path / "b")["run_dir"]) / "checkpoint.pt")
     for k in a["agent"]:
         assert torch.equal(a["agent"][k], b["agent"][k]), k
 
@@ -220,8 +261,13 @@ def test_same_seed_same_networks(tmp_path):
 def test_learns_inverted_pendulum(tmp_path):
     # random policy: ~8 per episode. After 16,384 steps (8 iterations) the defaults reach 100-1000;
     # we require the mean of the last 10 episodes to beat the first 10 by at least 80.
-    s = pc.train(pc.validate_args(pc.Args(env_id="InvertedPendulum-v5", total_timesteps=16384, seed=1,
-                                          runs_dir=str(tmp_path))))
+    s = pc.train(
+        pc.validate(
+            pc.Args(
+                env_id="InvertedPendulum-v5", total_timesteps=16384, seed=1, runs_dir=str(tmp_path)
+            )
+        )
+    )
     returns = [r for _, r, _ in s["episodes"]]
     first, last = np.mean(returns[:10]), np.mean(returns[-10:])
     assert first < 30
@@ -242,7 +288,7 @@ def test_learns_inverted_pendulum(tmp_path):
     ],
 )
 def test_bad_input_is_a_usage_error(tmp_path, kw, flag):
-    with pytest.raises(common.UsageError, match=f"^{flag}"):
+    with pytest.raises(pc.UsageError, match=f"^{flag}"):
         pc.main(pc.Args(runs_dir=str(tmp_path), **kw))
 
 
@@ -251,38 +297,71 @@ def test_env_that_cannot_be_made_names_the_cause(monkeypatch):
     # "MuJoCo is not installed": the one-line error keeps the import error that caused it
     def make(env_id, **kw):
         try:
-            raise ImportError("Version mismatch between 'mujoco' (4.0.0) and 'mujoco-core' (4.0.1).\nPlease upgrade")
+            raise ImportError(
+                "Version mismatch between 'mujoco' (4.0.0) and 'mujoco-core' (4.0.1)."
+                "\nPlease upgrade"
+            )
         except ImportError as e:
-            raise gym.error.DependencyNotInstalled("MuJoCo is not installed, run `pip install \"gymnasium[mujoco]\"`") from e
+            raise gym.error.DependencyNotInstalled(
+                'MuJoCo is not installed, run `pip install "gymnasium[mujoco]"`'
+            ) from e
 
     monkeypatch.setattr(pc.gym, "make", make)
-    with pytest.raises(common.UsageError) as err:
+    with pytest.raises(pc.UsageError) as err:
         pc.check_env_id("Hopper-v5")
-    assert str(err.value) == ("--env-id: cannot make 'Hopper-v5': MuJoCo is not installed, run `pip install "
-                              "\"gymnasium[mujoco]\"` (ImportError: Version mismatch between 'mujoco' (4.0.0) and "
-                              "'mujoco-core' (4.0.1).)")
+    assert str(err.value) == (
+        "--env-id: cannot make 'Hopper-v5': MuJoCo is not installed, run `pip install "
+        "\"gymnasium[mujoco]\"` (ImportError: Version mismatch between 'mujoco' (4.0.0) and "
+        "'mujoco-core' (4.0.1).)"
+    )
 
 
 def _cli(*flags, cwd):
-    return subprocess.run([sys.executable, str(ROOT / "ppo_continuous.py"), *flags], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "ppo_continuous.py"), *flags],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_train_resume_eval_and_errors(tmp_path, capsys):
-    small = ["--env-id", "InvertedPendulum-v5", "--num-steps", "256", "--num-minibatches", "4",
-             "--update-epochs", "1", "--runs-dir", "runs", "--seed", "7"]
+    small = [
+        "--env-id",
+        "InvertedPendulum-v5",
+        "--num-steps",
+        "256",
+        "--num-minibatches",
+        "4",
+        "--update-epochs",
+        "1",
+        "--runs-dir",
+        "runs",
+        "--seed",
+        "7",
+    ]
     p = _cli(*small, "--total-timesteps", "512", "--save-every", "1", cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert list(run_dir.glob("events.out.tfevents.*"))
     ckpt_path = run_dir / "checkpoint.pt"
-    assert common.load_checkpoint(ckpt_path)["global_step"] == 512
+    assert pc.load_checkpoint(ckpt_path)["global_step"] == 512
     assert json.loads((run_dir / "args.json").read_text())["env_id"] == "InvertedPendulum-v5"
 
     # --resume continues the same run directory up to the new total (in-process: faster)
-    pc.main(pc.Args(env_id="InvertedPendulum-v5", num_steps=256, num_minibatches=4, update_epochs=1, seed=7,
-                    total_timesteps=1024, resume=str(ckpt_path)))
-    ckpt = common.load_checkpoint(ckpt_path)
+    pc.main(
+        pc.Args(
+            env_id="InvertedPendulum-v5",
+            num_steps=256,
+            num_minibatches=4,
+            update_epochs=1,
+            seed=7,
+            total_timesteps=1024,
+            resume=str(ckpt_path),
+        )
+    )
+    ckpt = pc.load_checkpoint(ckpt_path)
     assert (ckpt["global_step"], ckpt["iteration"]) == (1024, 4)
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2
 
@@ -295,16 +374,19 @@ def test_cli_train_resume_eval_and_errors(tmp_path, capsys):
     p = _cli("--env-id", "CartPole-v1", "--runs-dir", "runs", cwd=tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
-        "error: --env-id: CartPole-v1 has a Discrete action space; this script needs a continuous (Box) one "
-        "(use a discrete-action PPO for it)"
+        "error: --env-id: CartPole-v1 has a Discrete action space; this script needs a continuous "
+        "(Box) one (use a discrete-action PPO for it)"
     ]
 
 
 def test_capture_video_without_moviepy_says_how_to_get_it(tmp_path, monkeypatch):
     real_find_spec = pc.importlib.util.find_spec
-    monkeypatch.setattr(pc.importlib.util, "find_spec",
-                        lambda name: None if name == "moviepy" else real_find_spec(name))
-    with pytest.raises(common.UsageError, match=r"^--capture-video: .*pip install moviepy$"):
+    monkeypatch.setattr(
+        pc.importlib.util,
+        "find_spec",
+        lambda name: None if name == "moviepy" else real_find_spec(name),
+    )
+    with pytest.raises(pc.UsageError, match=r"^--capture-video: .*pip install moviepy$"):
         pc.main(pc.Args(env_id="InvertedPendulum-v5", capture_video=True, runs_dir=str(tmp_path)))
 
 
@@ -320,7 +402,10 @@ def test_capture_video_records_the_first_episodes(tmp_path):
     reader = imageio_ffmpeg.read_frames(str(first))
     meta = next(reader)
     n_frames = sum(1 for _ in reader)
-    assert meta["size"] == (480, 480) and meta["fps"] == gym.make("InvertedPendulum-v5").metadata["render_fps"]
+    assert (
+        meta["size"] == (480, 480)
+        and meta["fps"] == gym.make("InvertedPendulum-v5").metadata["render_fps"]
+    )
     assert n_frames in (s["episodes"][0][2], s["episodes"][0][2] + 1) and n_frames > 3
 
 
@@ -364,15 +449,31 @@ def test_ppo_loss_hand_computed():
     # second 1 away from it; clipped to 0.2, the errors become 2.8 and 3.2 instead of 2 and 4
     old_values = v - torch.tensor([1.0, -1.0])
     returns = old_values + 3.0
-    loss, stats = pc.ppo_loss(agent, obs, actions, old_logprobs, adv, returns, old_values, clip_coef=0.2,
-                              vf_coef=0.5, ent_coef=0.0, norm_adv=False)
-    # eq. 7: min(r A, clip(r) A) with A = 2: min(3, 2.4) = 2.4 and min(1, 1.6) = 1 -> loss -(2.4 + 1) / 2
+    loss, stats = pc.ppo_loss(
+        agent,
+        obs,
+        actions,
+        old_logprobs,
+        adv,
+        returns,
+        old_values,
+        clip_coef=0.2,
+        vf_coef=0.5,
+        ent_coef=0.0,
+        norm_adv=False,
+    )
+    # eq. 7: min(r A, clip(r) A) with A = 2: min(3, 2.4) = 2.4 and min(1, 1.6) = 1
+    # -> loss -(2.4 + 1) / 2
     assert stats["policy_loss"].item() == pytest.approx(-1.7, abs=1e-5)
-    # value (core #9): max((V - R)^2, (V_old + clip(V - V_old) - R)^2) = max(2^2, 2.8^2) and max(4^2, 3.2^2)
+    # value (core #9): max((V - R)^2, (V_old + clip(V - V_old) - R)^2)
+    # = max(2^2, 2.8^2) and max(4^2, 3.2^2)
     assert stats["value_loss"].item() == pytest.approx(0.5 * (2.8**2 + 4**2) / 2, abs=1e-4)
     assert loss.item() == pytest.approx(-1.7 + 0.5 * stats["value_loss"].item(), abs=1e-5)
     assert stats["clipfrac"].item() == 1.0  # |1.5 - 1| and |0.5 - 1| both exceed 0.2
-    k1, k3 = (-torch.log(torch.tensor([1.5, 0.5]))).mean(), (torch.tensor([0.5, -0.5]) - torch.log(torch.tensor([1.5, 0.5]))).mean()
+    k1, k3 = (
+        (-torch.log(torch.tensor([1.5, 0.5]))).mean(),
+        (torch.tensor([0.5, -0.5]) - torch.log(torch.tensor([1.5, 0.5]))).mean(),
+    )
     assert stats["old_approx_kl"].item() == pytest.approx(k1.item(), abs=1e-5)
     assert stats["approx_kl"].item() == pytest.approx(k3.item(), abs=1e-5)
     # the clipped first ratio passes no gradient: only the second transition moves the actor
@@ -386,17 +487,33 @@ def test_ppo_loss_entropy_bonus_and_advantage_normalisation():
     kw = dict(returns=v, old_values=v, clip_coef=0.2, vf_coef=0.5)
     base, stats = pc.ppo_loss(agent, obs, actions, old_logprobs, adv, ent_coef=0.0, **kw)
     a = 1 / math.sqrt(2)
-    # min(1.5 * -a, 1.2 * -a) = -1.5a; min(0.5 * a, 0.8 * a) = 0.5a -> loss -(-1.5a + 0.5a) / 2 = a / 2
+    # min(1.5 * -a, 1.2 * -a) = -1.5a; min(0.5 * a, 0.8 * a) = 0.5a
+    # -> loss -(-1.5a + 0.5a) / 2 = a / 2
     assert base.item() == pytest.approx(a / 2, abs=1e-5)
     with_bonus, _ = pc.ppo_loss(agent, obs, actions, old_logprobs, adv, ent_coef=0.01, **kw)
     # entropy of a diagonal Gaussian with log-std 0: act_dim * (0.5 + 0.5 * log(2 pi))
-    assert stats["entropy"].item() == pytest.approx(2 * (0.5 + 0.5 * math.log(2 * math.pi)), abs=1e-5)
-    assert with_bonus.item() == pytest.approx(base.item() - 0.01 * stats["entropy"].item(), abs=1e-6)
+    assert stats["entropy"].item() == pytest.approx(
+        2 * (0.5 + 0.5 * math.log(2 * math.pi)), abs=1e-5
+    )
+    assert with_bonus.item() == pytest.approx(
+        base.item() - 0.01 * stats["entropy"].item(), abs=1e-6
+    )
 
 
 def test_compiled_loss_matches_eager(tmp_path):
     agent, obs, actions, old_logprobs, v = _loss_batch()
-    args = (agent, obs, actions, old_logprobs, torch.tensor([1.0, -2.0]), v + 1, v - 0.5, 0.2, 0.5, 0.01)
+    args = (
+        agent,
+        obs,
+        actions,
+        old_logprobs,
+        torch.tensor([1.0, -2.0]),
+        v + 1,
+        v - 0.5,
+        0.2,
+        0.5,
+        0.01,
+    )
     eager, _ = pc.ppo_loss(*args)
     eager.backward()
     grads = [p.grad.clone() for p in agent.parameters()]
@@ -404,7 +521,7 @@ def test_compiled_loss_matches_eager(tmp_path):
     compiled, _ = torch.compile(pc.ppo_loss)(*args)
     compiled.backward()
     assert compiled.item() == pytest.approx(eager.item(), abs=1e-6)
-    for g, p in zip(grads, agent.parameters()):
+    for g, p in zip(grads, agent.parameters(), strict=True):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
 
 
@@ -414,37 +531,62 @@ def test_compiled_loss_matches_eager(tmp_path):
 # ----------------------------------------------------------------------------------------------
 def _scalars(run_dir) -> dict:
     """Every logged scalar but the timings, as TensorBoard shows it: {tag: [(step, value), ...]}."""
-    return {tag: series for tag, series in tb_scalars(run_dir).items() if not tag.startswith("perf/") and tag != "charts/SPS"}
+    return {
+        tag: series
+        for tag, series in tb_scalars(run_dir).items()
+        if not tag.startswith("perf/") and tag != "charts/SPS"
+    }
 
 
 def _train_killed_after(tmp_path, monkeypatch, kill_after: int, **kw) -> tuple[dict, Path]:
-    """Train to the end, keeping a copy of the checkpoint of iteration ``kill_after`` as ``killed.pt``
-    in the run directory: what a run killed after logging later iterations would have left."""
-    real_save = common.atomic_save
+    """Train to the end, keeping a copy of the checkpoint of iteration ``kill_after`` as
+    ``killed.pt`` in the run directory: what a run killed after logging later iterations would
+    have left."""
+    real_save = pc.atomic_save
 
     def save(obj, path):
         real_save(obj, path)
         if obj["iteration"] == kill_after:
             (Path(path).parent / "killed.pt").write_bytes(Path(path).read_bytes())
 
-    monkeypatch.setattr(common, "atomic_save", save)
-    s = pc.train(pc.validate_args(pc.Args(runs_dir=str(tmp_path), save_every=1, **kw)))
-    monkeypatch.setattr(common, "atomic_save", real_save)
+    monkeypatch.setattr(pc, "atomic_save", save)
+    s = pc.train(pc.validate(pc.Args(runs_dir=str(tmp_path), save_every=1, **kw)))
+    monkeypatch.setattr(pc, "atomic_save", real_save)
     return s, Path(s["run_dir"]) / "killed.pt"
 
 
-def test_resume_is_exact_when_no_episode_is_in_flight_and_logs_each_step_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("save_every, saved", [(0, [4]), (1, [1, 2, 3, 4]), (3, [3, 4])])
+def test_checkpoints_are_written_every_save_every_iterations_and_at_the_end(
+    tmp_path, monkeypatch, save_every, saved
+):
+    iterations = []
+    monkeypatch.setattr(pc, "atomic_save", lambda obj, path: iterations.append(obj["iteration"]))
+    kw = dict(env_id="CountingEnv-v0", num_steps=4, num_minibatches=1, total_timesteps=16)
+    pc.train(pc.validate(pc.Args(runs_dir=str(tmp_path), save_every=save_every, **kw)))
+    assert iterations == saved
+
+
+def test_resume_is_exact_when_no_episode_is_in_flight_and_logs_each_step_once(
+    tmp_path, monkeypatch
+):
     # episodes of 3 steps plus the autoreset step: every 4-step rollout ends between two episodes,
     # so nothing is in flight at a checkpoint and the resumed run must be the uninterrupted one
-    kw = dict(env_id="CountingEnv-v0", num_steps=4, num_minibatches=1, update_epochs=2, total_timesteps=16, seed=1)
+    kw = dict(
+        env_id="CountingEnv-v0",
+        num_steps=4,
+        num_minibatches=1,
+        update_epochs=2,
+        total_timesteps=16,
+        seed=1,
+    )
     s, killed = _train_killed_after(tmp_path, monkeypatch, 2, **kw)
     run_dir = Path(s["run_dir"])
     uninterrupted = _scalars(run_dir)
-    final = common.load_checkpoint(run_dir / "checkpoint.pt")
+    final = pc.load_checkpoint(run_dir / "checkpoint.pt")
     assert len(uninterrupted["losses/value_loss"]) == 4
 
     pc.cli(["--resume", str(killed)])  # iterations 3 and 4 again, from the iteration-2 checkpoint
-    resumed = common.load_checkpoint(run_dir / "checkpoint.pt")
+    resumed = pc.load_checkpoint(run_dir / "checkpoint.pt")
     for k in final["agent"]:
         assert torch.equal(resumed["agent"][k], final["agent"][k]), k
     for k in final["norm"]:
@@ -455,37 +597,67 @@ def test_resume_is_exact_when_no_episode_is_in_flight_and_logs_each_step_once(tm
 def test_resume_restarts_episodes_in_flight_from_a_seeded_reset(tmp_path, monkeypatch):
     # the documented limit: 2-step rollouts cut 3-step episodes; the episode in flight at the
     # iteration-1 checkpoint (step 2) is not finished, a fresh one starts at the resume
-    kw = dict(env_id="CountingEnv-v0", num_steps=2, num_minibatches=1, update_epochs=1, total_timesteps=16, seed=1)
+    kw = dict(
+        env_id="CountingEnv-v0",
+        num_steps=2,
+        num_minibatches=1,
+        update_epochs=1,
+        total_timesteps=16,
+        seed=1,
+    )
     s, killed = _train_killed_after(tmp_path, monkeypatch, 1, **kw)
-    assert [(step, length) for step, _, length in s["episodes"]] == [(3, 3), (7, 3), (11, 3), (15, 3)]
-    resumed = pc.main(common.parse_args(pc.Args, ["--resume", str(killed)], script=pc.SCRIPT))
+    assert [(step, length) for step, _, length in s["episodes"]] == [
+        (3, 3),
+        (7, 3),
+        (11, 3),
+        (15, 3),
+    ]
+    resumed = pc.main(pc.parse_args(["--resume", str(killed)]))
     assert [(step, length) for step, _, length in resumed["episodes"]] == [(5, 3), (9, 3), (13, 3)]
-    ckpt = common.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
+    ckpt = pc.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
     assert (ckpt["global_step"], ckpt["iteration"]) == (16, 8)
 
 
 def test_resume_without_flags_continues_any_env_with_its_saved_flags(tmp_path, monkeypatch):
-    kw = dict(env_id="InvertedPendulum-v5", num_envs=2, num_steps=64, num_minibatches=4, update_epochs=1,
-              total_timesteps=512, learning_rate=1e-3, seed=5)
+    kw = dict(
+        env_id="InvertedPendulum-v5",
+        num_envs=2,
+        num_steps=64,
+        num_minibatches=4,
+        update_epochs=1,
+        total_timesteps=512,
+        learning_rate=1e-3,
+        seed=5,
+    )
     s, killed = _train_killed_after(tmp_path, monkeypatch, 2, **kw)
     run_dir = Path(s["run_dir"])
     (run_dir / "checkpoint.pt").unlink()
     pc.cli(["--resume", str(killed)])  # the README's line: no --env-id, no sizes
-    ckpt = common.load_checkpoint(run_dir / "checkpoint.pt")
+    ckpt = pc.load_checkpoint(run_dir / "checkpoint.pt")
     assert (ckpt["global_step"], ckpt["iteration"]) == (512, 4)
     assert ckpt["args"]["env_id"] == "InvertedPendulum-v5" and ckpt["args"]["learning_rate"] == 1e-3
     assert ckpt["script"] == "ppo_continuous.py"
     lr = dict(_scalars(run_dir)["charts/learning_rate"])
-    assert lr[384] == pytest.approx(1e-3 * (1 - 2 / 4)) and lr[512] == pytest.approx(1e-3 * (1 - 3 / 4))
+    assert lr[384] == pytest.approx(1e-3 * (1 - 2 / 4)) and lr[512] == pytest.approx(
+        1e-3 * (1 - 3 / 4)
+    )
 
 
 def test_resume_flags_given_again_take_effect_even_without_annealing(tmp_path, monkeypatch):
-    kw = dict(env_id="InvertedPendulum-v5", num_steps=64, num_minibatches=2, update_epochs=1, total_timesteps=256,
-              learning_rate=1e-3, anneal_lr=False, seed=5)
+    kw = dict(
+        env_id="InvertedPendulum-v5",
+        num_steps=64,
+        num_minibatches=2,
+        update_epochs=1,
+        total_timesteps=256,
+        learning_rate=1e-3,
+        anneal_lr=False,
+        seed=5,
+    )
     s, killed = _train_killed_after(tmp_path, monkeypatch, 2, **kw)
     run_dir = Path(s["run_dir"])
     pc.cli(["--resume", str(killed), "--learning-rate", "2e-4", "--total-timesteps", "384"])
-    ckpt = common.load_checkpoint(run_dir / "checkpoint.pt")
+    ckpt = pc.load_checkpoint(run_dir / "checkpoint.pt")
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == 2e-4 and ckpt["global_step"] == 384
     lr = _scalars(run_dir)["charts/learning_rate"]
     assert [step for step, _ in lr] == [64, 128, 192, 256, 320, 384]  # each step once
@@ -502,15 +674,17 @@ def test_minibatches_hold_at_least_two_transitions():
         assert sum(len(p) for p in parts) == (n if n >= 2 else 0)
         assert all(len(p) >= 2 for p in parts)
         assert len(parts) == min(32, n // 2)
-    assert [len(p) for p in pc.minibatches(torch.arange(128), 32)] == [4] * 32  # the flag's layout when it fits
+    assert [len(p) for p in pc.minibatches(torch.arange(128), 32)] == [
+        4
+    ] * 32  # the flag's layout when it fits
 
 
 def test_small_minibatches_after_masking_give_finite_weights(tmp_path):
-    # 64 steps in 32 minibatches: short InvertedPendulum episodes leave fewer than 64 real steps, which
-    # used to give minibatches of 0 or 1 transitions, a NaN advantage std and NaN weights
+    # 64 steps in 32 minibatches: short InvertedPendulum episodes leave fewer than 64 real steps,
+    # which used to give minibatches of 0 or 1 transitions, a NaN advantage std and NaN weights
     s = _short_run(tmp_path, num_steps=64, num_minibatches=32, update_epochs=2, total_timesteps=128)
     assert s["masked_steps"] > 0
-    ckpt = common.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
+    ckpt = pc.load_checkpoint(Path(s["run_dir"]) / "checkpoint.pt")
     assert all(torch.isfinite(v).all() for v in ckpt["agent"].values())
     for tag, values in _scalars(s["run_dir"]).items():
         if tag.startswith("losses/") and tag != "losses/explained_variance":
@@ -518,20 +692,124 @@ def test_small_minibatches_after_masking_give_finite_weights(tmp_path):
 
 
 def test_non_finite_update_stops_the_run_before_anything_is_saved(tmp_path):
-    with pytest.raises(common.UsageError) as err:
-        _short_run(tmp_path, learning_rate=1e30, anneal_lr=False, num_steps=128, total_timesteps=384)
-    assert re.fullmatch(r"non-finite (loss|gradient norm) at iteration \d+, epoch \d+ \(the update was not applied\); "
-                        r"check --learning-rate .*; no checkpoint was written yet|"
-                        r"non-finite weights after the update of iteration \d+; check --learning-rate .*; "
-                        r"no checkpoint was written yet", str(err.value)), str(err.value)
+    with pytest.raises(pc.UsageError) as err:
+        _short_run(
+            tmp_path, learning_rate=1e30, anneal_lr=False, num_steps=128, total_timesteps=384
+        )
+    assert re.fullmatch(
+        r"non-finite (loss|gradient norm) at iteration \d+, epoch \d+ "
+        r"\(the update was not applied\); check --learning-rate .*; no checkpoint was written yet|"
+        r"non-finite weights after the update of iteration \d+; check --learning-rate .*; "
+        r"no checkpoint was written yet",
+        str(err.value),
+    ), str(err.value)
     assert not list(tmp_path.rglob("checkpoint.pt"))
 
 
 def test_ppo_loss_refuses_minibatches_too_small_to_normalise():
     agent, obs, actions, old_logprobs, v = _loss_batch()
+    one = (obs[:1], actions[:1], old_logprobs[:1], torch.ones(1), v[:1], v[:1], 0.2, 0.5, 0.0)
     with pytest.raises(ValueError, match="at least 2"):
-        pc.ppo_loss(agent, obs[:1], actions[:1], old_logprobs[:1], torch.ones(1), v[:1], v[:1], 0.2, 0.5, 0.0)
-    loss, _ = pc.ppo_loss(agent, obs[:1], actions[:1], old_logprobs[:1], torch.ones(1), v[:1], v[:1], 0.2, 0.5, 0.0,
-                          norm_adv=False)
+        pc.ppo_loss(agent, *one)
+    loss, _ = pc.ppo_loss(agent, *one, norm_adv=False)
     assert torch.isfinite(loss)
 
+
+# ----------------------------------------------------------------------------------------------
+# the script's own plumbing: atomic checkpoints (kill -9 safe) and TensorBoard purge on resume
+# ----------------------------------------------------------------------------------------------
+def test_atomic_save_refuses_non_finite_values_and_disk_errors_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "run" / "checkpoint.pt"
+    with pytest.raises(pc.UsageError) as err:
+        pc.atomic_save({"agent": {"w": torch.ones(2), "b": torch.tensor([0.0, math.nan])}}, path)
+    assert str(err.value) == (
+        f"not saving {path}: agent.b holds non-finite values (NaN or inf); none was written yet"
+    )
+    assert not path.parent.exists()
+    pc.atomic_save({"step": 1, "norm": {"var": np.ones(2)}}, path)
+    before = path.read_bytes()
+    for obj, where in [
+        ({"optimizer": [{"exp_avg": torch.tensor([math.inf])}]}, "optimizer.0.exp_avg"),
+        ({"norm": {"var": np.array([1.0, -math.inf])}}, "norm.var"),
+        ({"norm": {"count": np.float64(math.nan)}}, "norm.count"),
+    ]:
+        with pytest.raises(pc.UsageError, match=rf"^not saving .*: {where} holds non-finite .*"):
+            pc.atomic_save(obj, path)
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pc.os, "fsync", disk_full)
+    with pytest.raises(pc.UsageError) as err:
+        pc.atomic_save({"step": 2}, path)
+    assert str(err.value) == (
+        f"cannot write checkpoint {path}: No space left on device; "
+        "the previous checkpoint there is intact"
+    )
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+_SAVER = """
+import sys, time, torch
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import ppo_continuous as pc
+
+path, weights = Path({path!r}), torch.randn(1_000_000)
+pc.atomic_save({{"step": 1, "weights": weights}}, path)
+print("saved", flush=True)
+
+
+def half_then_wait(obj, f):  # killed while the temporary file is half written
+    f.write(b"half a checkpoint")
+    f.flush()
+    print("mid-write", flush=True)
+    time.sleep(60)
+
+
+def wait(fd):  # killed once the temporary file is whole, before it replaces the checkpoint
+    print("before-rename", flush=True)
+    time.sleep(60)
+
+
+if {moment!r} == "mid-write":
+    torch.save = half_then_wait
+else:
+    pc.os.fsync = wait
+pc.atomic_save({{"step": 2, "weights": weights}}, path)
+"""
+
+
+@pytest.mark.parametrize("moment", ["mid-write", "before-rename"])
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_whole(tmp_path, moment):
+    path = tmp_path / "checkpoint.pt"
+    code = _SAVER.format(root=str(ROOT), path=str(path), moment=moment)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert [proc.stdout.readline().strip() for _ in range(2)] == ["saved", moment]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(path, weights_only=False)
+    assert saved["step"] == 1 and saved["weights"].shape == (1_000_000,)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.tmp", "checkpoint.pt"]
+    pc.atomic_save({"step": 3}, path)  # the next save overwrites what the killed one left
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_run_resumed_within_the_same_second_shows_each_step_once(tmp_path, monkeypatch):
+    # TensorBoard reads event files in name order and purges only what it has read: names start
+    # with the second they were made in, then host, pid and a per-process counter, so in the same
+    # second "...10" sorts before "...9"
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    while time.time() % 1 > 0.5:  # start early in a second: the resume comes within it
+        time.sleep(0.01)
+    writer = pc.make_writer(tmp_path, pc.Args(), purge_step=None)
+    for step in range(1, 4):
+        writer.add_scalar("loss", float(step), step)
+    writer.close()
+    resumed = pc.make_writer(tmp_path, pc.Args(), purge_step=3)
+    resumed.add_scalar("loss", 30.0, 3)
+    resumed.close()
+    assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert json.loads((tmp_path / "args.json").read_text())["env_id"] == "HalfCheetah-v5"
