@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -497,20 +496,6 @@ def check_fields(args: Any) -> None:
         raise UsageError(f"{flag_name(str(error['loc'][0]))}: {message}, got {error['input']!r}") from None
 
 
-def check_seed(seed: int, flag: str = "--seed") -> None:
-    """Raise a :class:`UsageError` unless ``0 <= seed <= 2**32 - 1`` (what NumPy's seeding accepts)."""
-    check(0 <= seed <= 2**32 - 1, f"{flag}: must be an integer in [0, {2**32 - 1}], got {seed}")
-
-
-def check_finite_floats(args: Any) -> None:
-    """Raise a :class:`UsageError` naming the first float field of the dataclass ``args`` that is NaN or inf
-    (``None`` is allowed)."""
-    for field in dataclasses.fields(args):
-        value = getattr(args, field.name)
-        if isinstance(value, float) and not np.isfinite(value):
-            raise UsageError(f"{flag_name(field.name)}: must be a finite number, got {value}")
-
-
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
     """Fail now, not at the first checkpoint, when the directory ``path`` cannot be written.
 
@@ -532,28 +517,6 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
         os.remove(name)
     except OSError as e:
         raise UsageError(f"{flag}: cannot write in {path} ({probe}: {e.strerror or e})") from None
-
-
-def check_fits_in_memory(nbytes: int, flag: str, what: str = "") -> None:
-    """Raise a :class:`UsageError` naming ``flag`` when ``nbytes`` exceed this machine's physical memory.
-
-    ``what`` starts the message (e.g. ``"a rollout of 10**12 transitions "``). Skipped where the
-    memory size cannot be read (no ``os.sysconf``).
-    """
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return
-    check(nbytes <= total, f"{flag}: {what}needs about {_bytes(nbytes)} of memory, more than this machine's "
-                           f"{_bytes(total)}")
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def check_finite_update(scalars: dict[str, torch.Tensor], where: str, hint: str,
