@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,7 +70,7 @@ from common import UsageError, check
 
 
 @dataclass
-@pydantic.with_config(allow_inf_nan=False)  # common.check_fields: no NaN or inf in any flag
+@pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
     model_name_or_path: str = common.DEFAULT_MODEL
@@ -481,10 +480,10 @@ def main(args: Args, task: tasks.Task | None = None,
     tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
-        return common.eval_only(args, task, tokenizer, checkpoint, run_dir, tasks.greedy_accuracy)
+        return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
     questions = tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
                                        *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
-    rank, world, device = common.start_processes(args)  # torchrun: each process samples and trains on its share
+    rank, world, device = common.start_processes(args.torch_threads, args.device)  # torchrun: each process samples and trains on its share
     common.seed_everything(args.seed)
 
     # Algorithm 1's input: the initial policy pi_theta, a reference pi_ref (a frozen copy of it, §4.1.1; none with
@@ -502,7 +501,7 @@ def main(args: Args, task: tasks.Task | None = None,
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, 0, tasks.greedy_accuracy)  # held-out greedy accuracy before training
+        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out greedy accuracy before training
 
     G, B = args.group_size, args.prompts_per_step // world  # B questions per process (torchrun: a share of them)
     N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, and all processes' outputs of a step
@@ -550,7 +549,7 @@ def main(args: Args, task: tasks.Task | None = None,
         totals = new_totals()
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
-            with common.checkpointing_mode((policy,), args.gradient_checkpointing):  # --gradient-checkpointing
+            with common.train_mode((policy,), args.gradient_checkpointing):  # --gradient-checkpointing
                 for idx, t_mb, inputs in micro_batches:
                     with common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
                         logp, entropy = token_log_probs(policy, *inputs, args.temperature, share_prompt, with_entropy=True)
@@ -565,7 +564,7 @@ def main(args: Args, task: tasks.Task | None = None,
                     accumulate(totals, loss, stats, entropy * mask)
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce, once per update
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            common.check_finite_update({"loss": loss, "gradient norm": grad_norm}, f"step {step + 1}", HINT, log.checkpoint)
+            common.check_finite_update(f"step {step + 1}", HINT, log.checkpoint, loss=loss, gradient_norm=grad_norm)
             optimizer.step()
             common.check_finite_parameters(policy.parameters(), f"step {step + 1}", HINT, log.checkpoint)
 
@@ -576,7 +575,7 @@ def main(args: Args, task: tasks.Task | None = None,
         # ---- logging, evaluation, checkpoints (TRY NOT TO MODIFY) ----
         log(step + 1, step_metrics(args, batch, all_rewards, totals, grad_norm, optimizer, device, t0, gen_time))
         log.samples(step + 1, sample_lines(batch, rewards, args.group_size), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1, tasks.greedy_accuracy)  # every --eval-every steps and at the end
+        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
         save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)  # every --save-every and at the end
     log.close()
     if rank == 0 and args.total_steps > start_step:
@@ -823,7 +822,7 @@ class RewardModelTraining:
                 with common.bf16_autocast(self.device, args.bf16):
                     scores = common.reward_model_scores(self.model, ids, att)
                 loss = F.mse_loss(scores, torch.tensor([c["label"] for c in chunk], device=self.device))
-                common.check_finite_update({"reward-model loss": loss}, f"step {step + 1}", "--rm-learning-rate", checkpoint)
+                common.check_finite_update(f"step {step + 1}", "--rm-learning-rate", checkpoint, reward_model_loss=loss)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
@@ -1021,9 +1020,6 @@ FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA
     "lora_rank": "the checkpoint holds adapters of this rank (or the full model)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
-    "eval_size": "the first --eval-size questions are held out, the others trained on (--eval-only may evaluate fewer)",
-    "runs_dir": "a resumed run writes to the directory of its checkpoint",
-    "run_name": "a resumed run writes to the directory of its checkpoint",
 }
 HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests looking at
 
@@ -1061,7 +1057,7 @@ def resume_checkpoint(args: Args) -> dict | None:
         UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, a run
             that already reached --total-steps, or another iteration length.
     """
-    checkpoint = common.resume_checkpoint(args, Args, SCRIPT, FROZEN)
+    checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)
     if checkpoint is not None:
         check_iteration_length(checkpoint, args)
     return checkpoint

@@ -96,7 +96,7 @@ from common import UsageError, check
 
 
 @dataclass
-@pydantic.with_config(allow_inf_nan=False)  # common.check_fields: no NaN or inf in any flag
+@pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
     # --- the N+ details' RLHF-PPO: models, task and score, sampling, per-token rewards, GAE, PPO updates ---
     model_name_or_path: str = common.DEFAULT_MODEL
@@ -497,10 +497,10 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
-        return common.eval_only(args, task, tokenizer, checkpoint, run_dir, tasks.greedy_accuracy)
+        return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
     questions = tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
                                        *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
-    rank, world, device = common.start_processes(args)  # torchrun: each process samples and trains on its share
+    rank, world, device = common.start_processes(args.torch_threads, args.device)  # torchrun: each process samples and trains on its share
     common.seed_everything(args.seed)
 
     # The four models, dropout off: the policy pi_theta, a reference pi_ref (a frozen copy of the initial policy; none
@@ -523,7 +523,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, 0, tasks.greedy_accuracy)  # held-out greedy accuracy before training
+        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out greedy accuracy before training
 
     # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is minibatch_size prompts
     # of every process, and the losses divide by the global minibatch size, minibatch_size * world.
@@ -566,7 +566,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
             for start in range(0, N, minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
                 minibatch = perm[start: start + minibatch_size]
-                with common.checkpointing_mode((policy, value_model), args.gradient_checkpointing):  # --gradient-checkpointing
+                with common.train_mode((policy, value_model), args.gradient_checkpointing):  # --gradient-checkpointing
                     for idx, ids, att, t_mb in make_micro_batches(minibatch, batch, args.micro_batch_size):
                         with common.bf16_autocast(device, args.bf16):
                             logp, entropy = token_log_probs(policy, ids, att, t_mb, args.temperature, with_entropy=True)
@@ -576,13 +576,13 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                                                args.clip_range, args.clip_range_value, args.vf_coef,
                                                minibatch_size * world,  # torchrun: sequences in the global minibatch
                                                common.micro(batch["sampler_logp"], idx, t_mb), args.tis_cap)  # TIS, Yao et al. 2025
-                        common.check_finite_update({"loss": loss}, *where)
+                        common.check_finite_update(*where, loss=loss)
                         loss.backward()
                         accumulate(totals, {**stats, "entropy": (entropy * mask[idx, :t_mb]).sum()})
                 common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's all-reduce, once per update
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                common.check_finite_update({"gradient norm": grad_norm, "value gradient norm": value_grad_norm}, *where)
+                common.check_finite_update(*where, gradient_norm=grad_norm, value_gradient_norm=value_grad_norm)
                 optimizer.step()
                 common.check_finite_parameters(policy_params + value_params, *where)
                 accumulate(totals, {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1})
@@ -594,7 +594,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         log(step + 1, step_metrics(args, batch, scores, kl, beta_used, old_logp, old_values, returns, totals, optimizer,
                                    device, (t0, gen_time, t2)))
         log.samples(step + 1, sample_lines(batch), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1, tasks.greedy_accuracy)  # every --eval-every steps and at the end
+        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)  # every --save-every and at the end
     log.close()
     if rank == 0 and args.total_steps > start_step:
@@ -766,9 +766,6 @@ FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA
     "lora_rank": "the checkpoint holds adapters of this rank (or the full policy)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
-    "eval_size": "the first --eval-size questions are held out, the others trained on (--eval-only may evaluate fewer)",
-    "runs_dir": "a resumed run writes to the directory of its checkpoint",
-    "run_name": "a resumed run writes to the directory of its checkpoint",
 }
 HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests
 
@@ -806,7 +803,7 @@ def resume_checkpoint(args: Args) -> dict | None:
         UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, or a
             run that already reached --total-steps.
     """
-    return common.resume_checkpoint(args, Args, SCRIPT, FROZEN)
+    return common.resume_checkpoint(args, SCRIPT, FROZEN)
 
 
 def restore(checkpoint: dict, args: Args, policy, value_model, optimizer) -> tuple[int, float]:

@@ -106,24 +106,14 @@ def test_parse_args_refuses_a_bad_resume_checkpoint_in_one_line(tmp_path):
     # legacy checkpoints (no "script" key) are judged by their flags
     legacy = tmp_path / "legacy.pt"
     common.atomic_save({"args": {"seed": 1, "model_name_or_path": "x", "group_size": 4}}, legacy)
-    assert error(["--resume", str(legacy)]) == (f"--resume: {legacy} is not a test_script.py checkpoint "
-                                                "(its flags --group-size, --model-name-or-path are not this script's)")
+    assert error(["--resume", str(legacy)]) == (f"--resume: {legacy} is not a test_script.py checkpoint of this "
+                                                "version (--group-size: not a flag of this script); start a "
+                                                "new run")
     assert error(["--resume", str(legacy)], script=None).startswith(f"--resume: {legacy} is not a")
     common.atomic_save({"args": {"seed": 5}}, legacy)  # a legacy checkpoint of this script: accepted
     assert common.parse_args(_Args, ["--resume", str(legacy)], script="test_script.py").seed == 5
     common.atomic_save({"weights": torch.zeros(2)}, legacy)
     assert error(["--resume", str(legacy)]) == f"--resume: {legacy} holds no saved flags; it is not a test_script.py checkpoint"
-
-
-def test_check_resume_compatible_names_the_flag_and_the_saved_value():
-    saved = dataclasses.asdict(_Args(mode="b", total_steps=10))
-    frozen = {"mode": "the saved state depends on it"}
-    common.check_resume_compatible(saved, _Args(mode="b", total_steps=20), frozen)  # unfrozen flags may change
-    with pytest.raises(common.UsageError) as err:
-        common.check_resume_compatible(saved, _Args(mode="a"), frozen)
-    assert str(err.value) == ("--mode: cannot change when resuming (this run was started with 'b'); "
-                              "the saved state depends on it")
-    common.check_resume_compatible({}, _Args(mode="a"), frozen)  # a flag the checkpoint does not hold: nothing to compare
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,18 +137,21 @@ def test_run_cli_prints_one_line_on_rank_0_only(monkeypatch, capsys):
 # ----------------------------------------------------------------------------------------------
 # make_writer: a resumed run never logs a step twice
 # ----------------------------------------------------------------------------------------------
-def test_make_writer_purges_the_steps_a_killed_run_logged_after_its_checkpoint(tmp_path):
+def run_log(run_dir, args, start_step: int = 0, resumed: bool = False) -> common.RunLog:
+    return common.RunLog(run_dir, args, 0, start_step, resumed, "test", {})
+
+
+def test_a_resumed_run_log_purges_the_steps_a_killed_run_logged_after_its_checkpoint(tmp_path):
     args = _Args()
-    writer = common.make_writer(tmp_path, args)
-    for step in range(1, 8):  # checkpoint after step 4; steps 5-7 are logged, then the run is killed
-        writer.add_scalar("loss", float(step), step)
-    writer.flush()  # what a killed process leaves on disk (no close)
+    log = run_log(tmp_path, args)
+    for step in range(1, 8):  # checkpoint after step 4; steps 5-7 are logged (and flushed), then the run is killed
+        log(step, {"loss": float(step)})
     time.sleep(1.1)  # event files are named by the second: the resumed run's file sorts after
-    resumed = common.make_writer(tmp_path, args, purge_step=5)
+    resumed = run_log(tmp_path, args, start_step=4, resumed=True)
     for step in range(5, 9):
-        resumed.add_scalar("loss", 10.0 * step, step)
+        resumed(step, {"loss": 10.0 * step})
     resumed.close()
-    writer.close()
+    log.close()
     assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0), (8, 80.0)]
     assert json.loads((tmp_path / "args.json").read_text())["seed"] == 1
 
@@ -171,12 +164,12 @@ def test_a_run_resumed_within_the_same_second_still_shows_each_step_once(tmp_pat
     monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
     while time.time() % 1 > 0.5:  # start early in a second: the resume comes within it
         time.sleep(0.01)
-    writer = common.make_writer(tmp_path, _Args())
+    log = run_log(tmp_path, _Args())
     for step in range(1, 4):
-        writer.add_scalar("loss", float(step), step)
-    writer.close()
-    resumed = common.make_writer(tmp_path, _Args(), purge_step=3)
-    resumed.add_scalar("loss", 30.0, 3)
+        log(step, {"loss": float(step)})
+    log.close()
+    resumed = run_log(tmp_path, _Args(), start_step=2, resumed=True)
+    resumed(3, {"loss": 30.0})
     resumed.close()
     assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
 
@@ -192,7 +185,7 @@ class _TrackArgs:
 def test_track_without_a_wandb_api_key_is_wandbs_own_error_in_one_line(no_wandb_login, tmp_path):
     # no probe of wandb's internals: wandb.init's own refusal becomes the one line, before any event is written
     with pytest.raises(common.UsageError, match=r"^--track: wandb.init failed: .*"):
-        common.make_writer(tmp_path / "run", _TrackArgs())
+        run_log(tmp_path / "run", _TrackArgs())
     assert not list((tmp_path / "run").glob("events.out.tfevents.*"))
 
 
@@ -205,7 +198,7 @@ def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", init)
     with pytest.raises(common.UsageError, match=r"^--track: wandb.init failed: CommError: Network error \(ConnectionError\), "
                                                 r"entering retry loop.$"):
-        common.make_writer(tmp_path, _TrackArgs())
+        run_log(tmp_path, _TrackArgs())
     assert not list(tmp_path.glob("events.out.tfevents.*"))  # nothing was started
 
 
@@ -410,16 +403,16 @@ def test_check_writable_dir_read_only_and_immutable(tmp_path):
 # ----------------------------------------------------------------------------------------------
 def test_check_finite_update_and_parameters(tmp_path):
     ok = torch.tensor(1.0)
-    common.check_finite_update({"loss": ok, "gradient norm": ok}, "iteration 3", "--learning-rate", None)
+    common.check_finite_update("iteration 3", "--learning-rate", None, loss=ok, gradient_norm=ok)
     with pytest.raises(common.UsageError) as err:
-        common.check_finite_update({"loss": ok, "gradient norm": torch.tensor(float("inf"))}, "iteration 3, epoch 2",
-                                   "--learning-rate, --max-grad-norm", tmp_path / "checkpoint.pt")
+        common.check_finite_update("iteration 3, epoch 2", "--learning-rate, --max-grad-norm",
+                                   tmp_path / "checkpoint.pt", loss=ok, gradient_norm=torch.tensor(float("inf")))
     assert str(err.value) == ("non-finite gradient norm at iteration 3, epoch 2 (the update was not applied); "
                               "check --learning-rate, --max-grad-norm; no checkpoint was written yet")
     common.atomic_save({"step": 1}, tmp_path / "checkpoint.pt")
     with pytest.raises(common.UsageError) as err:
-        common.check_finite_update({"loss": torch.tensor(float("nan")), "gradient norm": ok}, "step 4", "--beta",
-                                   tmp_path / "checkpoint.pt")
+        common.check_finite_update("step 4", "--beta", tmp_path / "checkpoint.pt", loss=torch.tensor(float("nan")),
+                                   gradient_norm=ok)
     assert str(err.value) == (f"non-finite loss at step 4 (the update was not applied); check --beta; "
                               f"the last checkpoint {tmp_path / 'checkpoint.pt'} is intact")
 
