@@ -223,6 +223,26 @@ class Args:
     CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
+@dataclass
+class Batch:
+    """Steps 1-2 of a step, this process's share: N = B * G completions o_i (the G of a question contiguous)
+    of prompts of at most P tokens, T tokens at most each, and their rewards (set by :func:`reward`)."""
+
+    prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
+    prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
+    completion_ids: torch.Tensor  # (N, T) the sampled tokens, padding after the first EOS
+    completion_mask: torch.Tensor  # (N, T) float, 1 for the tokens of o_i up to and including its first EOS
+    examples: list[dict]  # the question (and answer) of each completion
+    completions: list[str]  # the decoded completions
+    sampler_logp: torch.Tensor | None  # (N, T) log probs under the sampler when it is not the policy (TIS)
+    rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
+    verifiable: torch.Tensor | None = None  # (N,) the task's reward (None when a frozen reward model scores)
+    correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
+    truncated: torch.Tensor | None = None  # (N,) bool, no EOS within --max-new-tokens
+    reward_fns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
+    scalars: dict[str, float] = dataclasses.field(default_factory=dict)  # what the extensions log
+
+
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: the pieces of DeepSeekMath §4.1, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
@@ -497,7 +517,7 @@ def main(args: Args, task: tasks.Task | None = None,
     start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training) if checkpoint else 0
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo",
                          {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"})
-    sampling = make_sampling(policy, tokenizer, questions, task, reward_model, args, rank, world, device)
+    sampler = make_sampler(policy, tokenizer, questions, task, reward_model, args, rank, world, device)
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -515,21 +535,21 @@ def main(args: Args, task: tasks.Task | None = None,
 
         # ---- 1. Sample B questions and G outputs of each from pi_old = the current policy (temperature T) ----
         # ---- 2. and their rewards r_i: the task's reward function, or the reward model r_phi ----
-        common.refresh_sampler(sampling.sampler, policy)  # --fast-generation: the bf16 copy's weights
-        batch = sample_and_score(sampling, args, device, step)
-        batch = dynamic_sampling(batch, sampling, args, device, step) if args.dynamic_sampling else batch  # DAPO §3.2
-        rewards = batch["rewards"] + overlong_penalty(batch["mask"].sum(1).cpu(), args.max_new_tokens,
-                                                      args.overlong_buffer)  # DAPO §3.4: 0 with --overlong-buffer 0
-        all_rewards = common.all_gather(rewards)  # torchrun: (N_all,) every process's rewards, in global group order
+        common.refresh_sampler(sampler.model, policy)  # --fast-generation: the bf16 copy's weights
+        batch = sample_and_score(sampler, args, device, step)
+        batch = dynamic_sampling(batch, sampler, args, device, step) if args.dynamic_sampling else batch  # DAPO §3.2
+        batch.rewards += overlong_penalty(batch.completion_mask.sum(1).cpu(), args.max_new_tokens,
+                                          args.overlong_buffer)  # DAPO §3.4: 0 with --overlong-buffer 0
+        rewards = common.all_gather(batch.rewards)  # torchrun: (N_all,) every process's r_i, in group order
         if rm_training is not None:  # Algorithm 1 / §4.1.4: this iteration's samples, for the reward model
             rm_training.add(batch)
         gen_time = time.time() - t0
 
         # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, for every token t (§4.1.2) ----
-        advantages = group_advantages(all_rewards, G, args.adv_eps, args.scale_rewards)  # (N_all,)
+        advantages = group_advantages(rewards, G, args.adv_eps, args.scale_rewards)  # (N_all,)
         advantages = advantages[rank * N: rank * N + N].to(device)  # torchrun: this process's groups
         if args.supervision == "process":  # §4.1.3: A_i,t sums the normalised rewards of the steps ending at or after t
-            advantages = process_supervision(batch, rewards, tokenizer, step_reward_fn, args, device)
+            advantages = process_supervision(batch, tokenizer, step_reward_fn, args, device)
 
         # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
         loss_mask = completions_in_the_loss(batch, args.mask_truncated_completions)  # (N, T); DAPO §3.4 overlong filtering
@@ -557,7 +577,7 @@ def main(args: Args, task: tasks.Task | None = None,
                     ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t_mb]
                     mask = loss_mask[idx, :t_mb]
-                    sampler_logp = common.micro(batch["sampler_logp"], idx, t_mb)  # TIS (--tis-cap), Yao et al. 2025
+                    sampler_logp = common.micro(batch.sampler_logp, idx, t_mb)  # TIS (--tis-cap), Yao et al. 2025
                     loss, stats = grpo_loss(logp, old, ref, adv, mask, args.clip_range, args.beta, N_all,
                                             sampler_logp=sampler_logp, **loss_kw)
                     loss.backward()
@@ -573,8 +593,8 @@ def main(args: Args, task: tasks.Task | None = None,
             log(step + 1, rm_training.train(step, log.checkpoint))
 
         # ---- logging, evaluation, checkpoints (TRY NOT TO MODIFY) ----
-        log(step + 1, step_metrics(args, batch, all_rewards, totals, grad_norm, optimizer, device, t0, gen_time))
-        log.samples(step + 1, sample_lines(batch, rewards, args.group_size), args.sample_every)
+        log(step + 1, step_metrics(args, batch, rewards, totals, grad_norm, optimizer, device, t0, gen_time))
+        log.samples(step + 1, sample_lines(batch, args.group_size), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
         save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)  # every --save-every and at the end
     log.close()
@@ -588,7 +608,7 @@ def main(args: Args, task: tasks.Task | None = None,
 # ----------------------------------------------------------------------------------------------
 # Steps 1-2 of Algorithm 1: sample G outputs of each question from pi_old, and their rewards
 # ----------------------------------------------------------------------------------------------
-def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: int = 0) -> dict:
+def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: int = 0) -> Batch:
     """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and their rewards.
 
     The questions are drawn from ``(--seed, step, round_)``; the completions come from ``softmax(logits / T)``
@@ -597,74 +617,70 @@ def sample_and_score(sampling: Sampling, args: Args, device, step: int, round_: 
     group)``: samples depend on the seed, the step and the groups, not on how many processes share the batch.
 
     Returns:
-        a dict of (N, P) left-padded ``prompt_ids``/``prompt_mask``, (N, T) ``completion_ids`` (padded after the
-        first EOS) and ``mask``, the decoded ``completions``, the ``examples``, and from :func:`reward` the (N,)
-        ``rewards``, ``verifiable``, ``correct`` and ``truncated``; ``sampler_logp`` ((N, T) or None, see
-        :class:`Sampling`); ``scalars``, where extensions put what they log.
+        the :class:`Batch`, its rewards set by :func:`reward`.
     """
-    G, tokenizer = args.group_size, sampling.tokenizer
-    B = args.prompts_per_step // sampling.world
-    first_group = sampling.rank * B
+    G, tokenizer = args.group_size, sampler.tokenizer
+    B = args.prompts_per_step // sampler.world
+    first_group = sampler.rank * B
     picks = np.random.default_rng([args.seed, step] + ([round_] if round_ else [])).choice(
-        len(sampling.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
-    examples = [sampling.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
+        len(sampler.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
+    examples = [sampler.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))  # a group each
     rows, row_logps = common.generate_completions(
-        sampling.sampler, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
+        sampler.model, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
         per_call=args.generation_groups_per_call, bf16=args.bf16 and not args.fast_generation,
-        static_cache=args.fast_generation, record=sampling.record)
+        static_cache=args.fast_generation, record=sampler.record)
     prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
     T = max(len(r) for r in rows)
     completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
     completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
     sampler_logp = None
-    if sampling.record and row_logps is not None:
+    if sampler.record and row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
-    batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "mask": mask,
-             "completions": tokenizer.batch_decode(completion_ids, skip_special_tokens=True), "examples": examples,
-             "sampler_logp": sampler_logp, "scalars": {}}
-    return {**batch, **reward(batch, sampling, args, device, step)}
+    batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples,
+                  tokenizer.batch_decode(completion_ids, skip_special_tokens=True), sampler_logp)
+    return reward(batch, sampler, args, device, step)
 
 
-def reward(batch: dict, sampling: Sampling, args: Args, device, step: int) -> dict:
+def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
     """Step 2: the rewards of a batch's completions, from the task's reward function or the reward model.
 
     A reward model trained from the policy's backbone (--train-reward-model without --reward-model-path) scores
     from iteration 2 on, once it has been trained; until then the verifiable reward scores (Algorithm 1).
 
     Returns:
-        (N,) ``rewards`` (used for the advantages), ``verifiable`` rewards (None when a frozen reward model makes
-        them unnecessary), ``correct`` (right final answer) and ``truncated`` (no EOS within --max-new-tokens);
-        ``reward_fns``: with --reward-fn, each function's own (N,) rewards by name (logged by step_metrics).
+        ``batch`` with its ``rewards``, ``verifiable``, ``correct``, ``truncated`` and ``reward_fns`` set.
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
-    examples, task = batch["examples"], sampling.task
-    responses = [args.response_prefix + c for c in batch["completions"]]  # what the reward functions read
+    examples, task = batch.examples, sampler.task
+    responses = [args.response_prefix + c for c in batch.completions]  # what the reward functions read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
-    scored_by_model = sampling.reward_model is not None and trained
+    scored_by_model = sampler.reward_model is not None and trained
     verifiable, each = None, {}
     if not scored_by_model or args.train_reward_model:
         verifiable, each = tasks.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
     if scored_by_model:
-        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
-        attention_mask = torch.cat([batch["prompt_mask"], batch["mask"].long()], 1)
-        rewards = common.score_with_reward_model(sampling.reward_model, input_ids, attention_mask,
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
+        rewards = common.score_with_reward_model(sampler.reward_model, input_ids, attention_mask,
                                                  args.micro_batch_size, device, args.bf16)
     else:
         rewards = verifiable
-    eos = sampling.tokenizer.eos_token_id
-    return {"rewards": rewards, "verifiable": verifiable, "correct": tasks.score_correct(task, responses, examples),
-            "truncated": ~((batch["completion_ids"] == eos) & batch["mask"].bool()).any(1), "reward_fns": each}
+    eos = sampler.tokenizer.eos_token_id
+    batch.rewards, batch.verifiable, batch.reward_fns = rewards, verifiable, each
+    batch.correct = tasks.score_correct(task, responses, examples)
+    batch.truncated = ~((batch.completion_ids == eos) & batch.completion_mask.bool()).any(1)
+    return batch
 
 
 @dataclass
-class Sampling:
-    """What steps 1-2 sample with and score by, made once by :func:`make_sampling`."""
+class Sampler:
+    """What steps 1-2 sample with and score by, made once by :func:`make_sampler`."""
 
-    sampler: Any  # the policy itself, or its bfloat16 copy (--fast-generation)
+    model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
     record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
@@ -674,54 +690,53 @@ class Sampling:
     world: int
 
 
-def make_sampling(policy, tokenizer, questions: list[dict], task: tasks.Task, reward_model, args: Args, rank: int,
-                  world: int, device) -> Sampling:
+def make_sampler(policy, tokenizer, questions: list[dict], task: tasks.Task, reward_model, args: Args, rank: int,
+                 world: int, device) -> Sampler:
     """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
     cache that transformers compiles on CUDA. Log probs for the loss always come
     from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different distribution
     than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it.
     """
-    sampler = common.bf16_sampler(policy) if args.fast_generation else policy
-    record = sampler is not policy or common.bf16_active(device, args.bf16)
-    return Sampling(sampler, record, tokenizer, questions, task, reward_model, rank, world)
+    model = common.bf16_sampler(policy) if args.fast_generation else policy
+    record = model is not policy or common.bf16_active(device, args.bf16)
+    return Sampler(model, record, tokenizer, questions, task, reward_model, rank, world)
 
 
 # ----------------------------------------------------------------------------------------------
 # DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model (§4.1.4)
 # ----------------------------------------------------------------------------------------------
-def process_supervision(batch: dict, rewards: torch.Tensor, tokenizer, step_reward_fn: Callable, args: Args,
-                        device) -> torch.Tensor:
+def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device) -> torch.Tensor:
     """Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as one more step
     with the outcome reward, normalised over the G outputs of its question (:func:`process_advantages`).
 
     Args:
-        batch: the step's samples (steps 1-2): N completions of T tokens at most; rewards: (N,) outcome rewards.
+        batch: the step's samples (steps 1-2): N completions of T tokens at most, their (N,) outcome rewards.
         step_reward_fn: ``(completion, example) -> [(end character offset, reward), ...]``.
     Returns:
         (N, T) advantages on ``device``; the logged ``process/*`` scalars (over every process) go to
-        ``batch["scalars"]``.
+        ``batch.scalars``.
     Raises:
         UsageError: the step reward function raises.
     """
-    completion_ids, lengths = batch["completion_ids"], batch["mask"].sum(1)
+    completion_ids, lengths = batch.completion_ids, batch.completion_mask.sum(1)
     N, T = completion_ids.shape
     step_r, step_i, step_t = [], [], []
-    for i, (text, ex) in enumerate(zip(batch["completions"], batch["examples"])):
+    for i, (text, ex) in enumerate(zip(batch.completions, batch.examples)):
         n_i = int(lengths[i])
         try:
             steps = [(int(end), float(reward)) for end, reward in step_reward_fn(text, ex)]
         except Exception as e:  # noqa: BLE001 - user code fails the same way as a reward function
             raise UsageError(f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}") from None
         ends = tasks.char_ends_to_token_indices(tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps])
-        step_r += [reward for _, reward in steps] + [rewards[i].item()]
+        step_r += [reward for _, reward in steps] + [batch.rewards[i].item()]
         step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
         step_i += [i] * (len(steps) + 1)
     batch_std = torch.tensor(common.all_gather_objects(step_r)).std() if args.scale_rewards == "batch" else None
     advantages = process_advantages(torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t), N, T,
                                     args.group_size, args.adv_eps, args.scale_rewards, batch_std).to(device)
-    checked, step_sum = common.all_reduce(torch.tensor([len(step_r) - N, sum(step_r) - rewards.sum().item()],
+    checked, step_sum = common.all_reduce(torch.tensor([len(step_r) - N, sum(step_r) - batch.rewards.sum().item()],
                                                        dtype=torch.float64)).tolist()  # steps other than final answers
-    batch["scalars"].update({"process/steps_per_completion": checked / (args.prompts_per_step * args.group_size),
+    batch.scalars.update({"process/steps_per_completion": checked / (args.prompts_per_step * args.group_size),
                              "process/step_reward_mean": step_sum / max(checked, 1)})
     return advantages
 
@@ -800,11 +815,11 @@ class RewardModelTraining:
         self.new: list[dict] = []  # this iteration's samples: {"ids": prompt + completion, "label": verifiable reward}
         self.replay: list[dict] = []  # every earlier iteration's training samples, for the replay mix
 
-    def add(self, batch: dict) -> None:
-        prompts = [ids[m.bool()].tolist() for ids, m in zip(batch["prompt_ids"], batch["prompt_mask"])]
-        completions = [ids[m.bool()].tolist() for ids, m in zip(batch["completion_ids"], batch["mask"])]
+    def add(self, batch: Batch) -> None:
+        prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
+        completions = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)]
         self.new += common.all_gather_objects([{"ids": p + c, "label": label.item()}
-                                               for p, c, label in zip(prompts, completions, batch["verifiable"])])
+                                               for p, c, label in zip(prompts, completions, batch.verifiable)])
 
     def train(self, step: int, checkpoint: Path) -> dict:
         args, pad, mb = self.args, self.tokenizer.pad_token_id, self.args.micro_batch_size
@@ -877,7 +892,7 @@ def reward_model_accuracy(reward_model, samples: list[dict], pad_token_id: int, 
 # Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping.
 # Dr. GRPO, clip-higher, GSPO and TIS are options of group_advantages and grpo_loss above (variant_options).
 # ----------------------------------------------------------------------------------------------
-def dynamic_sampling(batch: dict, sampling: Sampling, args: Args, device, step: int) -> dict:
+def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
     """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep only the groups whose rewards differ, and sample new
     questions (rounds 1, 2, ...) until --prompts-per-step such groups are found or --max-sampling-rounds is
     reached; then top up the batch with dropped groups (equal rewards, so advantage 0 unless --overlong-buffer's
@@ -887,13 +902,13 @@ def dynamic_sampling(batch: dict, sampling: Sampling, args: Args, device, step: 
     Args:
         batch: round 0's samples (steps 1-2).
     Returns:
-        the batch, with the logged ``sampling/*`` scalars in ``batch["scalars"]``.
+        the batch, with the logged ``sampling/*`` scalars in ``batch.scalars``.
     """
     G = args.group_size
-    B = len(batch["rewards"]) // G
+    B = len(batch.rewards) // G
 
     def varied(r: int) -> list[tuple[int, int]]:
-        grouped = rounds[r]["rewards"].view(-1, G)
+        grouped = rounds[r].rewards.view(-1, G)
         return [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
 
     rounds = [batch]
@@ -901,38 +916,42 @@ def dynamic_sampling(batch: dict, sampling: Sampling, args: Args, device, step: 
     for r in range(1, args.max_sampling_rounds):
         if len(chosen) >= B:
             break
-        rounds.append(sample_and_score(sampling, args, device, step, round_=r))
+        rounds.append(sample_and_score(sampler, args, device, step, round_=r))
         chosen += varied(r)
     dropped = [(r, g) for r in range(len(rounds)) for g in range(B) if (r, g) not in chosen]
-    merged = merge_groups(rounds, (chosen + dropped)[:B], G, sampling.tokenizer.pad_token_id)
-    merged["scalars"] = {"sampling/rounds": common.all_reduce(torch.tensor(len(rounds)), "max").item(),
+    merged = merge_groups(rounds, (chosen + dropped)[:B], G, sampler.tokenizer.pad_token_id)
+    merged.scalars = {"sampling/rounds": common.all_reduce(torch.tensor(len(rounds)), "max").item(),
                          "sampling/frac_groups_varied": common.all_reduce(torch.tensor(min(len(chosen), B))).item()
                          / args.prompts_per_step}
     return merged
 
 
-def merge_groups(batches: list[dict], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int) -> dict:
+def merge_groups(batches: list[Batch], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int) -> Batch:
     """One batch made of the groups ``chosen`` = [(batch index, group index), ...], re-padded.
 
     Prompts stay left-padded and completions right-padded, to the widest of the chosen rows.
     """
     rows = [(batches[b], slice(g * group_size, (g + 1) * group_size)) for b, g in chosen]
-    P = max(b["prompt_ids"].shape[1] for b, _ in rows)
-    T = max(b["completion_ids"].shape[1] for b, _ in rows)
-    out = {"sampler_logp": None}
-    keys = [("prompt_ids", P, pad_token_id, True), ("prompt_mask", P, 0, True), ("completion_ids", T, pad_token_id, False),
-            ("mask", T, 0, False)] + ([("sampler_logp", T, 0.0, False)] if rows[0][0].get("sampler_logp") is not None else [])
-    for key, width, value, left in keys:
-        parts = [b[key][r] for b, r in rows]
-        out[key] = torch.cat([F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
-                              for x in parts])
-    for key in ("rewards", "verifiable", "correct", "truncated"):
-        out[key] = None if rows[0][0].get(key) is None else torch.cat([b[key][r] for b, r in rows])
-    for key in ("completions", "examples"):
-        out[key] = [x for b, r in rows for x in b[key][r]]
-    out["reward_fns"] = {name: torch.cat([b["reward_fns"][name][r] for b, r in rows]) for name in rows[0][0]["reward_fns"]}
-    out["scalars"] = {}
-    return out
+    P = max(b.prompt_ids.shape[1] for b, _ in rows)
+    T = max(b.completion_ids.shape[1] for b, _ in rows)
+
+    def cat(key: str, width: int | None = None, value: float = 0, left: bool = False):
+        if getattr(rows[0][0], key) is None:
+            return None
+        parts = [getattr(b, key)[r] for b, r in rows]
+        if width is None:
+            return torch.cat(parts)
+        return torch.cat([F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+                          for x in parts])
+
+    merged = Batch(cat("prompt_ids", P, pad_token_id, True), cat("prompt_mask", P, 0, True),
+                   cat("completion_ids", T, pad_token_id), cat("completion_mask", T),
+                   [x for b, r in rows for x in b.examples[r]], [x for b, r in rows for x in b.completions[r]],
+                   cat("sampler_logp", T, 0.0))
+    merged.rewards, merged.verifiable, merged.correct, merged.truncated = (
+        cat(key) for key in ("rewards", "verifiable", "correct", "truncated"))
+    merged.reward_fns = {name: torch.cat([b.reward_fns[name][r] for b, r in rows]) for name in rows[0][0].reward_fns}
+    return merged
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
@@ -952,10 +971,10 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
     return (((max_length - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 
-def completions_in_the_loss(batch: dict, mask_truncated: bool) -> torch.Tensor:
+def completions_in_the_loss(batch: Batch, mask_truncated: bool) -> torch.Tensor:
     """(N, T) mask of the tokens that take part in the loss: each completion up to its EOS; with
     --mask-truncated-completions (DAPO §3.4, overlong filtering) none of a completion that never emitted EOS."""
-    return batch["mask"] * (~batch["truncated"]).float().unsqueeze(1) if mask_truncated else batch["mask"]
+    return batch.completion_mask * (~batch.truncated).float().unsqueeze(1) if mask_truncated else batch.completion_mask
 
 
 def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
@@ -974,7 +993,7 @@ def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
-def plan_micro_batches(batch: dict, size: int, G: int, device) -> list:
+def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
     """Micro-batches of ``size`` sequences for steps 4-5: groups of similar completion length together (whole
     groups when ``size`` is a multiple of G; a group's prompt goes through the model once per micro-batch that
     holds its completions, see :func:`token_log_probs`), each trimmed to its own longest prompt and completion.
@@ -985,7 +1004,7 @@ def plan_micro_batches(batch: dict, size: int, G: int, device) -> list:
         [(idx, t, (prompt_ids, prompt_mask, prompt_index, completion_ids, completion_att))]: the micro-batch's rows
         of the batch, its length t, and :func:`token_log_probs`'s inputs.
     """
-    mask, completion_ids = batch["mask"], batch["completion_ids"]
+    mask, completion_ids = batch.completion_mask, batch.completion_ids
     lengths = mask.sum(1)
     N = len(lengths)
     lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
@@ -994,7 +1013,7 @@ def plan_micro_batches(batch: dict, size: int, G: int, device) -> list:
     for i in range(0, N, size):
         idx = order[i: i + size]
         groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # the groups' prompts, once each
-        prompt_ids, prompt_mask = batch["prompt_ids"][groups * G], batch["prompt_mask"][groups * G]
+        prompt_ids, prompt_mask = batch.prompt_ids[groups * G], batch.prompt_mask[groups * G]
         first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
         t = int(lengths[idx].max())
         micro_batches.append((idx, t, (prompt_ids[:, first:], prompt_mask[:, first:], prompt_index,
@@ -1005,10 +1024,10 @@ def plan_micro_batches(batch: dict, size: int, G: int, device) -> list:
 # ----------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: run plumbing (validation, resume, metrics, checkpoints)
 # ----------------------------------------------------------------------------------------------
-def sample_lines(batch: dict, rewards: torch.Tensor, G: int) -> list[str]:
+def sample_lines(batch: Batch, G: int) -> list[str]:
     """The first completion of each group with its reward, for the printed and logged samples."""
-    return [f"[reward {rewards[j]:.2f}] {batch['examples'][j]['question']!r} -> {batch['completions'][j]!r}"
-            for j in range(0, len(rewards), G)]
+    return [f"[reward {batch.rewards[j]:.2f}] {batch.examples[j]['question']!r} -> {batch.completions[j]!r}"
+            for j in range(0, len(batch.rewards), G)]
 
 
 SCRIPT = "grpo_lm.py"  # written into checkpoints: --resume refuses another script's
@@ -1120,22 +1139,22 @@ def accumulate(totals: dict, loss: torch.Tensor, stats: dict, entropy: torch.Ten
         totals["sampler_tokens"] += stats["tokens"].item()
 
 
-def step_metrics(args: Args, batch: dict, all_rewards: torch.Tensor, totals: dict, grad_norm: torch.Tensor, optimizer,
+def step_metrics(args: Args, batch: Batch, rewards: torch.Tensor, totals: dict, grad_norm: torch.Tensor, optimizer,
                  device, t0: float, gen_time: float) -> dict:
     """A step's logged scalars: means over the global batch (sums and per-sequence values gathered from every
-    process), and what the extensions put in ``batch["scalars"]``. ``loss/policy`` is the minimised -J of eq. 3,
+    process), and what the extensions put in ``batch.scalars``. ``loss/policy`` is the minimised -J of eq. 3,
     the KL term included; ``sampling/logp_diff_*`` is |log pi_old - log pi_sampler| over the tokens in the loss,
     logged when the sampler is not the trained module; ``time/generation_s`` covers steps 1-2 and
     ``time/training_s`` the rest of the step up to here (advantages, log probs, updates, reward-model training)."""
     G = args.group_size
     sums = common.all_reduce(torch.tensor([totals["loss"], totals["kl"], totals["clipped"], totals["tokens"]]))
     loss_sum, kl_sum, clipped_sum, tokens_sum = sums.tolist()
-    lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in (batch["mask"].sum(1), batch["correct"],
-                                                                               batch["truncated"]))
+    lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in (batch.completion_mask.sum(1), batch.correct,
+                                                                               batch.truncated))
     scalars = {
-        "reward/mean": all_rewards.mean().item(), "reward/std": all_rewards.std().item(),
+        "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
         "reward/accuracy": correct.mean().item(),
-        "reward/frac_zero_std_groups": (all_rewards.view(-1, G).std(1) == 0).float().mean().item(),
+        "reward/frac_zero_std_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
         "loss/policy": loss_sum / args.mu, "loss/kl": kl_sum / max(tokens_sum, 1),
         "loss/clip_fraction": clipped_sum / max(tokens_sum, 1), "loss/tokens": tokens_sum / args.mu,
         "loss/entropy": common.all_reduce(torch.tensor(totals["entropy"])).item() / max(tokens_sum, 1),
@@ -1147,14 +1166,14 @@ def step_metrics(args: Args, batch: dict, all_rewards: torch.Tensor, totals: dic
         "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
         **common.peak_memory_gb(device),
     }
-    scalars.update(batch["scalars"])
-    scalars.update(common.reward_fn_means(batch["reward_fns"]))  # --reward-fn
-    if batch["sampler_logp"] is not None:
+    scalars.update(batch.scalars)
+    scalars.update(common.reward_fn_means(batch.reward_fns))  # --reward-fn
+    if batch.sampler_logp is not None:
         gap_sum, gap_tokens = common.all_reduce(torch.tensor([totals["sampler_gap_sum"], totals["sampler_tokens"]])).tolist()
         scalars.update({"sampling/logp_diff_mean": gap_sum / max(gap_tokens, 1),
                         "sampling/logp_diff_max": common.all_reduce(torch.tensor(totals["sampler_gap_max"]), "max").item()})
-    if batch["verifiable"] is not None and (args.reward_model_path or args.train_reward_model):
-        scalars["reward/verifiable_mean"] = common.all_gather(batch["verifiable"]).mean().item()
+    if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
+        scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()
     return scalars
 
 

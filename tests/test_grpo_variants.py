@@ -320,22 +320,22 @@ def test_dynamic_sampling_keeps_only_groups_with_different_rewards(tiny_model_di
 
 def test_merge_groups_repads_rows_of_different_rounds():
     def batch(prompts, completions, rewards):  # G = 2; 0 is the pad id
-        return {"prompt_ids": torch.tensor(prompts), "prompt_mask": (torch.tensor(prompts) != 0).long(),
-                "completion_ids": torch.tensor(completions), "mask": (torch.tensor(completions) != 0).float(),
-                "completions": [str(r) for r in rewards], "examples": [{"r": r} for r in rewards],
-                "rewards": torch.tensor(rewards), "verifiable": None, "correct": torch.tensor(rewards),
-                "reward_fns": {"f": -torch.tensor(rewards)}}
+        out = grpo_lm.Batch(torch.tensor(prompts), (torch.tensor(prompts) != 0).long(), torch.tensor(completions),
+                            (torch.tensor(completions) != 0).float(), [{"r": r} for r in rewards],
+                            [str(r) for r in rewards], None)
+        out.rewards, out.correct, out.reward_fns = torch.tensor(rewards), torch.tensor(rewards), {"f": -torch.tensor(rewards)}
+        return out
 
     a = batch([[0, 5], [0, 5], [6, 6], [6, 6]], [[1, 2], [3, 0], [4, 4], [4, 4]], [1.0, 0.0, 1.0, 1.0])
     b = batch([[7], [7]], [[8, 9, 9], [8, 0, 0]], [0.0, 1.0])
     out = grpo_lm.merge_groups([a, b], [(1, 0), (0, 0)], group_size=2, pad_token_id=0)
-    assert out["prompt_ids"].tolist() == [[0, 7], [0, 7], [0, 5], [0, 5]]  # prompts stay left-padded
-    assert out["prompt_mask"].tolist() == [[0, 1], [0, 1], [0, 1], [0, 1]]
-    assert out["completion_ids"].tolist() == [[8, 9, 9], [8, 0, 0], [1, 2, 0], [3, 0, 0]]  # completions right-padded
-    assert out["mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
-    assert out["rewards"].tolist() == [0.0, 1.0, 1.0, 0.0] and out["verifiable"] is None
-    assert out["reward_fns"]["f"].tolist() == [-0.0, -1.0, -1.0, -0.0]  # each function's rewards follow their rows
-    assert out["completions"] == ["0.0", "1.0", "1.0", "0.0"] and out["examples"][2] == {"r": 1.0}
+    assert out.prompt_ids.tolist() == [[0, 7], [0, 7], [0, 5], [0, 5]]  # prompts stay left-padded
+    assert out.prompt_mask.tolist() == [[0, 1], [0, 1], [0, 1], [0, 1]]
+    assert out.completion_ids.tolist() == [[8, 9, 9], [8, 0, 0], [1, 2, 0], [3, 0, 0]]  # completions right-padded
+    assert out.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert out.rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and out.verifiable is None
+    assert out.reward_fns["f"].tolist() == [-0.0, -1.0, -1.0, -0.0]  # each function's rewards follow their rows
+    assert out.completions == ["0.0", "1.0", "1.0", "0.0"] and out.examples[2] == {"r": 1.0}
 
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tiny_model_dir, tmp_path):
