@@ -483,125 +483,138 @@ def float32_lm_head(model):
 # ----------------------------------------------------------------------------------------------
 # GRPO, DeepSeekMath §4.1 and Algorithm 1
 # ----------------------------------------------------------------------------------------------
-def main(args: Args, task: tasks.Task | None = None,
-         step_reward_fn: Callable[[str, dict], list[tuple[int, float]]] = tasks.arithmetic_step_rewards) -> dict:
-    """Train with GRPO; returns the per-step history of logged scalars (for tests and notebooks).
+def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | None = None):
+    """Train with GRPO; returns the per-step history of logged scalars (a dict of lists).
 
     ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
     ``step_reward_fn(completion, example) -> [(end character offset, reward), ...]`` gives the step
-    rewards of ``--supervision process`` (default: every equation ``x op y = z`` checked).
-    Under ``torchrun`` every process runs this function on its share of the batch; the returned history
-    holds the global (all-process) values on every rank.
+    rewards of ``--supervision process`` (default :func:`tasks.arithmetic_step_rewards`: every
+    equation ``x op y = z`` checked). Under ``torchrun`` every process runs this function on its
+    share of the batch; the returned history holds the global values on every rank.
     """
+    # A bad flag, checkpoint, run directory, dataset or reward file fails here, before any load
     validate(args)
-    checkpoint = resume_checkpoint(args)  # before anything loads: a bad flag or --resume fails at once
+    checkpoint = resume_checkpoint(args)
     run_dir = common.make_run_dir(args)
-    task = task or tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field, args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)  # so does a bad --dataset or --reward-fn
-    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    task = task or make_task(args)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
-                                       *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
-    rank, world, device = common.start_processes(args.torch_threads, args.device)  # torchrun: each process samples and trains on its share
+    questions = prompts_that_fit(task, tokenizer, args)
+    # torchrun: each process samples and trains on its share of the batch
+    rank, world, device = common.start_processes(args.torch_threads, args.device)
     common.seed_everything(args.seed)
 
-    # Algorithm 1's input: the initial policy pi_theta, a reference pi_ref (a frozen copy of it, §4.1.1; none with
-    # beta = 0) and the reward: the task's verifiable reward function, or a reward model r_phi
-    policy = common.load_policy(args, device)  # --lora-rank: adapters on the frozen model (add_lora)
+    # Algorithm 1's input: the initial policy pi_theta, the reference pi_ref (a frozen copy of it,
+    # §4.1.1; none with beta = 0) and the reward: the task's reward function or a reward model r_phi
+    policy = common.load_policy(args, device)  # --lora-rank: adapters on the frozen model
     reference = common.load_reference(policy, args, device)
     reward_model = make_reward_model(args, tokenizer, device)
-    rm_training = RewardModelTraining(reward_model, tokenizer, args, device) if args.train_reward_model else None
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=device.type == "cuda")  # CUDA: one kernel
-    start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training) if checkpoint else 0
-    log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo",
-                         {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"})
-    sampler = make_sampler(policy, tokenizer, questions, task, reward_model, args, rank, world, device)
+    rm_training = None  # Algorithm 1, §4.1.4: the reward model's continual training
+    if args.train_reward_model:
+        rm_training = RewardModelTraining(reward_model, tokenizer, args, device)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trained, lr=args.learning_rate, weight_decay=args.weight_decay, fused=device.type == "cuda"
+    )  # CUDA: one kernel
+    start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
+    bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
+    log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo", bar)
+    sampler = make_sampler(policy, tokenizer, questions, task, reward_model, args, rank, world)
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out greedy accuracy before training
+        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out accuracy at start
 
-    G, B = args.group_size, args.prompts_per_step // world  # B questions per process (torchrun: a share of them)
-    N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, and all processes' outputs of a step
-    steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1, in steps
-    share_prompt = args.share_prompt and not args.gradient_checkpointing  # checkpointed layers drop the prompt's cache
+    G, B = args.group_size, args.prompts_per_step // world  # B questions per process
+    N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, all processes' outputs
+    steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1
+    # checkpointed layers drop the prompt's KV cache: then whole sequences go through the model
+    shared = args.share_prompt and not args.gradient_checkpointing
+    temperature, eps, beta = args.temperature, args.clip_range, args.beta  # T; eq. 3's eps, beta
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
-        # ---- 0. Algorithm 1: each iteration starts with reference <- policy (iteration 1: the initial policy) ----
+        # ---- 0. Algorithm 1: each iteration starts with reference <- policy ----
         if reference is not None and step > 0 and step % steps_per_iteration == 0:
             reference.load_state_dict(policy.state_dict())
 
-        # ---- 1. Sample B questions and G outputs of each from pi_old = the current policy (temperature T) ----
-        # ---- 2. and their rewards r_i: the task's reward function, or the reward model r_phi ----
-        common.refresh_sampler(sampler.model, policy)  # --fast-generation: the bf16 copy's weights
-        batch = sample_and_score(sampler, args, device, step)
-        batch = dynamic_sampling(batch, sampler, args, device, step) if args.dynamic_sampling else batch  # DAPO §3.2
-        batch.rewards += overlong_penalty(batch.completion_mask.sum(1).cpu(), args.max_new_tokens,
-                                          args.overlong_buffer)  # DAPO §3.4: 0 with --overlong-buffer 0
-        rewards = common.all_gather(batch.rewards)  # torchrun: (N_all,) every process's r_i, in group order
-        if rm_training is not None:  # Algorithm 1 / §4.1.4: this iteration's samples, for the reward model
+        # ---- 1. Sample B questions, G outputs o_i of each from pi_old = the policy, at T ----
+        # ---- 2. and their rewards r_i: the task's reward functions, or the reward model ----
+        common.refresh_sampler(sampler.model, policy)  # --fast-generation: the bf16 copy
+        batch = sample_and_score(sampler, args, device, step)  # Batch: o_i and r_i (reward())
+        if args.dynamic_sampling:  # DAPO §3.2: only groups whose rewards differ
+            batch = dynamic_sampling(batch, sampler, args, device, step)
+        lengths = batch.completion_mask.sum(1).cpu()  # DAPO §3.4 (0 with --overlong-buffer 0):
+        batch.rewards += overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer)
+        rewards = common.all_gather(batch.rewards)  # (N_all,) every process's r_i, group order
+        if rm_training is not None:  # Algorithm 1 / §4.1.4: samples for the reward model
             rm_training.add(batch)
         gen_time = time.time() - t0
 
-        # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, for every token t (§4.1.2) ----
-        advantages = group_advantages(rewards, G, args.adv_eps, args.scale_rewards)  # (N_all,)
-        advantages = advantages[rank * N: rank * N + N].to(device)  # torchrun: this process's groups
-        if args.supervision == "process":  # §4.1.3: A_i,t sums the normalised rewards of the steps ending at or after t
-            advantages = process_supervision(batch, tokenizer, step_reward_fn, args, device)
+        # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, every t (§4.1.2) ----
+        advantages = group_advantages(rewards, G, args.adv_eps, args.scale_rewards)
+        advantages = advantages[rank * N : rank * N + N].to(device)  # this process's groups
+        if args.supervision == "process":  # §4.1.3: sums of the normalised step rewards from t on
+            steps = step_reward_fn or tasks.arithmetic_step_rewards
+            advantages = process_supervision(batch, tokenizer, steps, args, device)
 
         # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
-        loss_mask = completions_in_the_loss(batch, args.mask_truncated_completions)  # (N, T); DAPO §3.4 overlong filtering
-        micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)  # --micro-batch-size, padding trimmed
+        loss_mask = completions_in_the_loss(batch, args.mask_truncated_completions)  # DAPO §3.4
+        micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
-            for idx, t_mb, inputs in micro_batches:
-                if args.mu > 1:  # with mu = 1 pi_old = pi_theta, so ratio = 1: reuse logp.detach() below
-                    old_logp[idx, :t_mb] = token_log_probs(policy, *inputs, args.temperature, share_prompt)
+            for idx, t, inputs in micro_batches:
+                if args.mu > 1:  # with mu = 1, pi_old = pi_theta: logp.detach() below
+                    old_logp[idx, :t] = token_log_probs(policy, *inputs, temperature, shared)
                 if reference is not None:
-                    ref_logp[idx, :t_mb] = token_log_probs(reference, *inputs, args.temperature, share_prompt)
+                    ref_logp[idx, :t] = token_log_probs(reference, *inputs, temperature, shared)
 
-        # ---- 5. mu GRPO iterations: maximise eq. 3 over the batch (gradient accumulation over micro-batches) ----
-        # The ratio uses old_logp of step 4: pi_old stays the sampling policy for all mu updates.
-        loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO §3.1/§3.3, GSPO, TIS (all off = the paper)
+        # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
+        # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
+        loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO, GSPO, TIS (off: the paper)
         totals = new_totals()
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
-            with common.train_mode((policy,), args.gradient_checkpointing):  # --gradient-checkpointing
-                for idx, t_mb, inputs in micro_batches:
-                    with common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
-                        logp, entropy = token_log_probs(policy, *inputs, args.temperature, share_prompt, with_entropy=True)
-                    old = old_logp[idx, :t_mb] if args.mu > 1 else logp.detach()
-                    ref = ref_logp[idx, :t_mb] if ref_logp is not None else None
-                    adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t_mb]
-                    mask = loss_mask[idx, :t_mb]
-                    sampler_logp = common.micro(batch.sampler_logp, idx, t_mb)  # TIS (--tis-cap), Yao et al. 2025
-                    loss, stats = grpo_loss(logp, old, ref, adv, mask, args.clip_range, args.beta, N_all,
-                                            sampler_logp=sampler_logp, **loss_kw)
+            with common.train_mode((policy,), args.gradient_checkpointing):
+                for idx, t, inputs in micro_batches:
+                    with common.bf16_autocast(device, args.bf16):
+                        logp, entropy = token_log_probs(
+                            policy, *inputs, temperature, shared, with_entropy=True
+                        )
+                    old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
+                    ref = ref_logp[idx, :t] if ref_logp is not None else None
+                    adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
+                    mask, tis = loss_mask[idx, :t], common.micro(batch.sampler_logp, idx, t)  # TIS
+                    loss, stats = grpo_loss(
+                        logp, old, ref, adv, mask, eps, beta, N_all, sampler_logp=tis, **loss_kw
+                    )
                     loss.backward()
                     accumulate(totals, loss, stats, entropy * mask)
-            common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce, once per update
+            common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            common.check_finite_update(f"step {step + 1}", HINT, log.checkpoint, loss=loss, gradient_norm=grad_norm)
+            where = f"step {step + 1}"
+            common.check_finite_update(
+                where, HINT, log.checkpoint, loss=loss, gradient_norm=grad_norm
+            )
             optimizer.step()
-            common.check_finite_parameters(policy.parameters(), f"step {step + 1}", HINT, log.checkpoint)
+            common.check_finite_parameters(policy.parameters(), where, HINT, log.checkpoint)
 
-        # ---- 6. Algorithm 1: after an iteration's last step, train the reward model on its samples + replay ----
+        # ---- 6. Algorithm 1: after an iteration, train the reward model (samples + replay) ----
         if rm_training is not None and (step + 1) % steps_per_iteration == 0:
             log(step + 1, rm_training.train(step, log.checkpoint))
 
-        # ---- logging, evaluation, checkpoints (TRY NOT TO MODIFY) ----
-        log(step + 1, step_metrics(args, batch, rewards, totals, grad_norm, optimizer, device, t0, gen_time))
-        log.samples(step + 1, sample_lines(batch, args.group_size), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
-        save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)  # every --save-every and at the end
+        # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
+        metrics = step_metrics(args, batch, rewards, totals, grad_norm, optimizer, t0, gen_time)
+        log(step + 1, metrics)
+        log.samples(step + 1, sample_lines(batch, G), args.sample_every)
+        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
+        save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)
     log.close()
     if rank == 0 and args.total_steps > start_step:
         common.save_pretrained(policy, tokenizer, run_dir / "final_model", args.model_name_or_path)
-        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (load it with from_pretrained)")
-    common.cleanup_distributed()  # the other processes wait here until rank 0 has written everything
+        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
+    common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
     return log.history
 
 
@@ -690,15 +703,15 @@ class Sampler:
     world: int
 
 
-def make_sampler(policy, tokenizer, questions: list[dict], task: tasks.Task, reward_model, args: Args, rank: int,
-                 world: int, device) -> Sampler:
+def make_sampler(policy, tokenizer, questions: list[dict], task: tasks.Task, reward_model, args: Args,
+                 rank: int, world: int) -> Sampler:
     """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
     cache that transformers compiles on CUDA. Log probs for the loss always come
     from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different distribution
     than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it.
     """
     model = common.bf16_sampler(policy) if args.fast_generation else policy
-    record = model is not policy or common.bf16_active(device, args.bf16)
+    record = model is not policy or common.bf16_active(policy.device, args.bf16)
     return Sampler(model, record, tokenizer, questions, task, reward_model, rank, world)
 
 
@@ -1067,6 +1080,39 @@ def validate(args: Args) -> None:
           "with its adapter disabled, which cannot be reset to the policy at each iteration; use full fine-tuning")
 
 
+def make_task(args: Args) -> tasks.Task:
+    """The task the flags name (:func:`tasks.make_task`), with enough training questions for a step.
+
+    Raises:
+        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held out.
+    """
+    task = tasks.make_task(
+        args.task,
+        args.dataset,
+        args.eval_size,
+        args.prompt_field,
+        args.answer_field,
+        args.answer_format,
+        args.format_reward,
+        args.reward_fn,
+        args.reward_weights,
+    )
+    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    return task
+
+
+def prompts_that_fit(task: tasks.Task, tokenizer, args: Args) -> list[dict]:
+    """The training questions whose prompts, in the run's prompt style, fit --max-prompt-length.
+
+    Raises:
+        UsageError: fewer than --prompts-per-step of them.
+    """
+    style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
+    return tasks.prompts_that_fit(
+        task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style
+    )
+
+
 def resume_checkpoint(args: Args) -> dict | None:
     """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
     this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train, no NaN or inf and
@@ -1082,13 +1128,16 @@ def resume_checkpoint(args: Args) -> dict | None:
     return checkpoint
 
 
-def restore(checkpoint: dict, args: Args, policy, optimizer, reference, rm_training) -> int:
-    """Load a checkpoint's weights and optimizer states; returns the step it was written at. The flags given now
-    set the optimizers' hyperparameters (--learning-rate, --weight-decay, --rm-learning-rate take effect on resume).
+def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, rm_training) -> int:
+    """Load a checkpoint's weights and optimizer states; returns the step it was written at (0 without one). The
+    flags given now set the optimizers' hyperparameters (--learning-rate, --weight-decay, --rm-learning-rate take
+    effect on resume).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
     """
+    if checkpoint is None:
+        return 0
     try:
         common.load_trained_weights(policy, checkpoint["policy"])
         optimizer.load_state_dict(checkpoint["optimizer"])
@@ -1140,7 +1189,7 @@ def accumulate(totals: dict, loss: torch.Tensor, stats: dict, entropy: torch.Ten
 
 
 def step_metrics(args: Args, batch: Batch, rewards: torch.Tensor, totals: dict, grad_norm: torch.Tensor, optimizer,
-                 device, t0: float, gen_time: float) -> dict:
+                 t0: float, gen_time: float) -> dict:
     """A step's logged scalars: means over the global batch (sums and per-sequence values gathered from every
     process), and what the extensions put in ``batch.scalars``. ``loss/policy`` is the minimised -J of eq. 3,
     the KL term included; ``sampling/logp_diff_*`` is |log pi_old - log pi_sampler| over the tokens in the loss,
@@ -1164,7 +1213,7 @@ def step_metrics(args: Args, batch: Batch, rewards: torch.Tensor, totals: dict, 
         "optim/grad_norm": grad_norm.item(), "optim/learning_rate": optimizer.param_groups[0]["lr"],
         "time/generation_s": gen_time, "time/training_s": time.time() - t0 - gen_time,
         "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
-        **common.peak_memory_gb(device),
+        **common.peak_memory_gb(grad_norm.device),
     }
     scalars.update(batch.scalars)
     scalars.update(common.reward_fn_means(batch.reward_fns))  # --reward-fn

@@ -9,8 +9,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer functions allowed)
-BUDGETS = {
-    "grpo_lm.py": ("main", 120, 75, {"grpo_loss": 75, "token_log_probs": 45}),
+BUDGETS = {  # grpo_lm.main(): issue 22's budget, with lines of at most 100 characters (checked below)
+    "grpo_lm.py": ("main", 140, 85, {"grpo_loss": 75, "token_log_probs": 45}),
     "ppo_lm.py": ("main", 130, 85, {}),
     "ppo_continuous.py": ("train", 150, None, {}),
 }
@@ -37,6 +37,10 @@ def test_the_algorithm_fits_its_budget(script):
     name, budget, loop_budget, _ = BUDGETS[script]
     function = _functions(ROOT / script)[name]
     assert _lines(function) <= budget, f"{script}: {name}() has {_lines(function)} lines, budget {budget}"
+    if script == "grpo_lm.py":  # a budget met by widening lines is no budget
+        text = (ROOT / script).read_text().splitlines()[function.lineno - 1 : function.end_lineno]
+        wide = [line for line in text if len(line) > 100]
+        assert not wide, f"{script}: {name}() has lines over 100 characters: {wide[:2]}"
     if loop_budget is not None:
         loops = [node for node in ast.walk(function) if isinstance(node, ast.For)
                  and isinstance(node.target, ast.Name) and node.target.id == "step"]
