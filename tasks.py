@@ -582,7 +582,7 @@ def _checked_scores(
         where = f"on completion {i} ({text[:60]!r})"
         try:
             value = fn(text, example)
-        except Exception as e:  # noqa: BLE001 - any failure of user code is reported the same way
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # issue 27: sys.exit() too
             raise UsageError(f"{what} raised {type(e).__name__}: {_one_line(e)} {where}") from None
         if not isinstance(value, (numbers.Real, np.bool_)):
             expected = "True/False" if unit else "a number (float)"

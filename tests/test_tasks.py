@@ -358,6 +358,19 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
                    match=r"^the weighted sum of the rewards is inf on completion 0 \('0123456789'\); lower --reward-weights$")
 
 
+
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt])
+def test_a_reward_function_that_exits_or_interrupts_is_one_line_naming_it(tmp_path, error):
+    # issue 27: sys.exit() (or KeyboardInterrupt) inside user code is one error line, as any other exception
+    path = tmp_path / "quits.py"
+    path.write_text(f"def quits(completion, example):\n    raise {error.__name__}('stop')\n")
+    fns = tasks.load_reward_fns([f"{path}:quits"])
+    one_line_error(tasks.score_reward_fns, fns, ["ok"], [{}],
+                   match=rf"^reward function {re.escape(str(path))}:quits raised {error.__name__}: stop on completion 0")
+    task = tasks.make_addition_task(num_test=4)
+    task.correct_fn = fns[0][1]
+    one_line_error(tasks.score_correct, task, ["ok"], [{}], match=rf"^correct_fn of task 'addition' raised {error.__name__}")
+
 # ---------------------------------------------------------------------------------------------
 # Countdown: generated offline, every problem solvable, checked by exact arithmetic (never eval)
 # ---------------------------------------------------------------------------------------------
