@@ -124,7 +124,7 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1})"
+            f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
         ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
@@ -133,9 +133,7 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
     for field, role in ((prompt_field, "prompt"), (answer_field, "answer")):
         if field not in row:
             fields = ", ".join(map(repr, list(row)[:8]))
-            raise ValueError(
-                f"no field {field!r} (the {role}: --{role}-field); its fields: {fields}"
-            )
+            raise ValueError(f"no field {field!r} (the {role}: --{role}-field), only {fields}")
     prompt, answer = row[prompt_field], row[answer_field]
     if isinstance(answer, float) and math.isfinite(answer):
         answer = np.format_float_positional(answer, trim="-")  # 1e-07: "0.0000001"
@@ -165,24 +163,13 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
 
 
 def load_jsonl_task(
-    path,
-    num_test=128,
-    format_reward=0.0,
-    prompt_field="question",
-    answer_field="answer",
-    numeric=True,
+    path, num_test, format_reward=0.0, prompt_field="question", answer_field="answer", numeric=True
 ) -> Task:
-    """A JSON Lines file (GSM8K's by default) as a :class:`Task`: each object a line, an example
-    ``{**row, "question": row[prompt_field], "answer": final}``; ``"... #### 45"`` gives ``final =
-    "45"`` and the text before as ``"solution"``; numbers lose their thousands separators.
-    ``numeric``: every answer a number, the reward :func:`outcome_reward`; else any text, scored by
-    :func:`answer_text_matches`. UsageError ``--dataset: {path}:{line}: ...``: an unreadable file,
-    a line that is not a UTF-8 JSON object with the fields, an answer not a number while
-    ``numeric``; too few examples; ``format_reward`` without ``numeric``."""
-    check(
-        numeric or not format_reward,
-        "--format-reward: pays for ending with a number, so it needs numeric answers",
-    )
+    """A JSON Lines file (GSM8K's by default): an example a line, ``{**row, "question": prompt,
+    "answer": final}``; ``"... #### 45"`` gives ``final = "45"``, the text before as ``"solution"``.
+    ``numeric``: answers are numbers (thousands separators dropped), :func:`outcome_reward`; else
+    text, :func:`answer_text_matches`. UsageError ``--dataset: {path}:{line}: ...``: a bad line."""
+    check(numeric or not format_reward, "--format-reward: pays for a last number: needs numbers")
     examples = []
     try:
         with open(path, "rb") as f:
@@ -320,11 +307,9 @@ def countdown_reward(response: str, example: dict, format_reward: float = 0.1) -
 def make_countdown_task(
     num_test: int = 128, format_reward: float = 0.1, num_problems: int = 10_000, think: bool = False
 ) -> Task:
-    """Countdown: "Using the numbers [a, b, c, d] once each with + - * /, make T", numbers in
-    1..99, T in 1..100 the value of a random expression of them (``example["solution"]``: each
-    value a positive integer, ``*`` up to 1,000, ``/`` exact and not by 1); no problem twice.
-    Reward :func:`countdown_reward`, correct_fn :func:`countdown_correct`; ``think``: both read
-    their whole text, for :func:`with_think_answer_format`."""
+    """Countdown: "Using the numbers [a, b, c, d] (1..99) once each with + - * /, make T (1..100)",
+    T the value of a random ``example["solution"]``; no problem twice. :func:`countdown_reward` and
+    :func:`countdown_correct`; ``think``: both read all their text (the ``<answer>`` block)."""
     rng = random.Random(SPLIT_SEED)
     problems, seen = [], set()
     while len(problems) < num_problems:
@@ -336,9 +321,8 @@ def make_countdown_task(
             ops = ["+"] + ["*"] * (a * b <= 1000) + ["-"] * (a > b) + ["/"] * (b > 1 and a % b == 0)
             op = rng.choice(ops)
             left, right = (e if e.isdigit() else f"({e})" for e in (left, right))
-            pool.append(
-                ({"+": a + b, "*": a * b, "-": a - b, "/": a // b}[op], f"{left} {op} {right}")
-            )
+            value = {"+": a + b, "*": a * b, "-": a - b, "/": a // b}[op]
+            pool.append((value, f"{left} {op} {right}"))
         [(target, solution)] = pool
         if not 1 <= target <= 100 or (tuple(sorted(numbers)), target) in seen:
             continue
@@ -410,9 +394,8 @@ def make_multistep_task(
         solution = f"{a} + {b} = {s}\n{s} * {c} = {p}\n{p} - {d} = {p - d}"
         problems.append({"question": question, "answer": str(p - d), "solution": solution})
     reward = functools.partial(outcome_reward, format_reward=format_reward)
-    return Task(
-        "multistep", *_split(problems, num_test, "task 'multistep'"), reward, number_matches
-    )
+    split = _split(problems, num_test, "task 'multistep'")
+    return Task("multistep", *split, reward, number_matches)
 
 
 def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[int]) -> list[int]:
@@ -425,6 +408,7 @@ def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[
 
 # ---- scoring a batch: the user's functions checked, one line per failure -----------------------
 _USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)  # issue 27: sys.exit() in user code too
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are float32 tensors
 
 
 def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first=0, unit=False):
@@ -441,13 +425,9 @@ def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first
             raise UsageError(f"{what} raised {type(e).__name__}: {_one_line(e)} {where}") from None
         if not isinstance(value, (numbers.Real, np.bool_)):
             raise UsageError(f"{what} returned {type(value).__name__} {where}; expected {expected}")
-        try:
-            value = float(value)
-        except OverflowError:  # an int too large for a float
-            value = math.inf
-        if not abs(value) <= np.finfo(np.float32).max or (unit and not 0 <= value <= 1):
-            raise UsageError(f"{what} returned {value} {where}; expected {expected}")
-        scores.append(value)
+        if not abs(value) <= _FLOAT32_MAX or (unit and not 0 <= value <= 1):
+            raise UsageError(f"{what} returned {_one_line(value, 40)} {where}; expected {expected}")
+        scores.append(float(value))
     return scores
 
 
@@ -467,17 +447,14 @@ def score_correct(task: Task, responses: list[str], examples: list[dict]) -> tor
 
 
 def score_reward_fns(reward_fns, completions, examples, weights=None) -> tuple[torch.Tensor, dict]:
-    """``r_i = sum_k weights[k] * f_k(completions[i], examples[i])`` (None: weights 1), (N,)
-    float32, and each ``f_k``'s own (N,) rewards by name: ``reward_fns`` are (name, f_k) pairs.
-    UsageError, one line: a function raises or returns a non-number or non-finite value (naming
-    ``file:function`` and the index), or the sum overflows. ValueError: no function."""
+    """``r_i = sum_k weights[k] * f_k(completions[i], examples[i])`` (None: 1 each), (N,) float32,
+    and each ``f_k``'s (N,) rewards by its name in ``reward_fns``' (name, f_k) pairs. UsageError: a
+    function fails (naming ``file:function`` and the index), the sum overflows."""
     if not reward_fns:
         raise ValueError("score_reward_fns needs at least one reward function")
     weights = [1.0] * len(reward_fns) if weights is None else weights
-    check(
-        len(weights) == len(reward_fns),
-        f"--reward-weights: {len(weights)} weights for {len(reward_fns)}",
-    )
+    counts = f"{len(weights)} weights for {len(reward_fns)} functions"
+    check(len(weights) == len(reward_fns), f"--reward-weights: {counts}")
     total, each = [0.0] * len(completions), {}
     for (name, fn), weight in zip(reward_fns, weights, strict=True):
         inner = fn.func if isinstance(fn, functools.partial) else fn
@@ -489,29 +466,21 @@ def score_reward_fns(reward_fns, completions, examples, weights=None) -> tuple[t
         total = [t + weight * r for t, r in zip(total, scores, strict=True)]
     for i, t in enumerate(total):
         where = f"on completion {i} ({completions[i][:60]!r})"
-        check(
-            math.isfinite(t),
-            f"the weighted sum of the rewards is {t} {where}; lower --reward-weights",
-        )
+        check(math.isfinite(t), f"the weighted rewards sum to {t} {where}; lower --reward-weights")
     return torch.tensor(total), each
 
 
 def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
-    """--reward-fn ``path/to/file.py:function_name`` specs as (log name, function) pairs.
-
-    Each file runs once per call (:func:`runpy.run_path`). The log name is the function's,
-    ``file_stem.name`` when two share it, then ``_2``, ``_3``... for a spec given again.
-    Raises UsageError, one line naming the spec: not ``path.py:name``, a missing file or function,
-    a file that cannot run, a function that does not take (completion, example).
-    """
+    """--reward-fn ``path/to/file.py:function_name`` specs as (log name, function) pairs, each file
+    run once (:func:`runpy.run_path`). The log name is the function's, ``file_stem.name`` when two
+    share it, then ``_2``, ``_3``... for a spec given again. UsageError naming the spec: a bad
+    spec, file or function, or one that does not take (completion, example)."""
     files, loaded = {}, []
     for spec in specs:
         file, _, name = spec.rpartition(":")
         where = f"--reward-fn {spec}"
-        check(
-            file.endswith(".py") and name.isidentifier(),
-            f"--reward-fn: expected path/to/file.py:function_name, got {spec!r}",
-        )
+        form = f"--reward-fn: expected path/to/file.py:function_name, got {spec!r}"
+        check(file.endswith(".py") and name.isidentifier(), form)
         check(Path(file).is_file(), f"{where}: file {file} does not exist")
         path = Path(file).resolve()
         if path not in files:
@@ -532,15 +501,12 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
             pass
         loaded.append((name, Path(file).stem, fn))
     names = [name for name, _, _ in loaded]
-    named: dict[str, RewardFn] = {}
-    for name, stem, fn in loaded:
-        label = unique = name if names.count(name) == 1 else f"{stem}.{name}"
-        k = 1
-        while unique in named:
-            k += 1
-            unique = f"{label}_{k}"
-        named[unique] = fn
-    return list(named.items())
+    labels = [name if names.count(name) == 1 else f"{stem}.{name}" for name, stem, _ in loaded]
+    repeats = [labels[:i].count(label) for i, label in enumerate(labels)]  # a spec given again
+    fns = [fn for _, _, fn in loaded]
+    return [
+        (f"{lb}_{k + 1}" if k else lb, fn) for lb, k, fn in zip(labels, repeats, fns, strict=True)
+    ]
 
 
 # ---- the scripts' task flags and prompts -------------------------------------------------------
@@ -573,9 +539,8 @@ def make_task(
         task = with_think_answer_format(task, format_reward)
     if reward_fns:
         files = load_reward_fns([spec for spec in reward_fns if spec != "task"])
-        task.reward_fns = [
-            ("task", task.reward_fn) if s == "task" else files.pop(0) for s in reward_fns
-        ]
+        own = ("task", task.reward_fn)
+        task.reward_fns = [own if spec == "task" else files.pop(0) for spec in reward_fns]
         task.reward_weights = list(reward_weights) or None
     return task
 
@@ -587,23 +552,19 @@ def check_task_flags(
     (--task and --answer-format are ``Literal`` flags). UsageError naming the flag: not one finite
     weight per function; a --format-reward that --reward-fn without ``task`` drops; ``task`` twice,
     or beside a function of that name; a lone surrogate; one field for prompt and answer."""
-    check(
-        not reward_weights or len(reward_weights) == len(reward_fns),
-        f"--reward-weights: {len(reward_weights)} weights for {len(reward_fns)} functions "
-        "(--reward-fn); give one each, in order (or none)",
-    )
+    counts = f"{len(reward_weights)} weights for {len(reward_fns)} functions (--reward-fn)"
+    check(len(reward_weights) in (0, len(reward_fns)), f"--reward-weights: {counts}")
     check(all(map(math.isfinite, reward_weights)), "--reward-weights: must be finite numbers")
+    dropped = (
+        "is paid by the task's own reward, which --reward-fn replaces (add `--reward-fn task`)"
+    )
     check(
-        not reward_fns or "task" in reward_fns or format_reward == 0,
-        "--format-reward: is paid by the task's own reward, which --reward-fn replaces; add "
-        "`--reward-fn task` to keep it",
+        not reward_fns or "task" in reward_fns or not format_reward, f"--format-reward: {dropped}"
     )
     check(list(reward_fns).count("task") <= 1, "--reward-fn task: given twice; give it once")
     named_task = [s for s in reward_fns if s != "task" and s.rpartition(":")[2] == "task"]
     if "task" in reward_fns and len(named_task) == 1:  # load_reward_fns names it by its name
-        raise UsageError(
-            f"--reward-fn {named_task[0]}: logs as 'task', as the task's own; rename it"
-        )
+        raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', as the task's own")
     check_text(system_prompt or "", "--system-prompt")
     check_text(prefix, "--response-prefix")
     check_text(prompt_field, "--prompt-field")
@@ -615,11 +576,8 @@ def check_split(task: Task, prompts_per_step: int, eval_size: int, dataset: str 
     """UsageError (naming --dataset or --eval-size) unless ``prompts_per_step`` training questions
     are left once ``eval_size`` are held out."""
     flag = f"--dataset: {dataset}" if dataset else f"--eval-size {eval_size}"
-    check(
-        len(task.train) >= prompts_per_step,
-        f"{flag}: {len(task.test)} questions held out for evaluation "
-        f"leave {len(task.train)} for training, fewer than --prompts-per-step {prompts_per_step}",
-    )
+    left = f"{len(task.test)} held out for evaluation leave {len(task.train)} questions to train on"
+    check(len(task.train) >= prompts_per_step, f"{flag}: {left}, under --prompts-per-step")
 
 
 def prompt_style(answer_format: str, system_prompt: str | None, response_prefix: str):
@@ -666,11 +624,8 @@ def prompts_that_fit(
     questions = [ex["question"] for ex in task.train]
     ids = prompt_ids(tokenizer, questions, system_prompt, response_prefix)
     train = [ex for ex, n in zip(task.train, map(len, ids), strict=True) if n <= max_prompt_length]
-    check(
-        len(train) >= prompts_per_step,
-        f"--max-prompt-length {max_prompt_length}: only {len(train)} "
-        f"training prompts fit, fewer than --prompts-per-step {prompts_per_step}",
-    )
+    fit = f"--max-prompt-length {max_prompt_length}: only {len(train)} training prompts fit"
+    check(len(train) >= prompts_per_step, f"{fit}, fewer than --prompts-per-step")
     return train
 
 
@@ -688,10 +643,9 @@ def greedy_accuracy(
     task_name: str = "task",
     answer_format: str = "plain",
 ) -> tuple[float, list[str]]:
-    """(fraction of ``examples`` that ``correct_fn`` finds right, responses) with greedy decoding,
-    prompts as :func:`prompt_style` and :func:`build_prompt` make them; a response is
-    ``response_prefix`` + completion. UsageError: ``correct_fn`` fails (as :func:`score_correct`).
-    """
+    """(fraction of ``examples`` that ``correct_fn`` finds right, responses) by greedy decoding of
+    :func:`build_prompt`'s prompts; a response is the prefix + completion. UsageError: as
+    :func:`score_correct`."""
     style = prompt_style(answer_format, system_prompt, response_prefix)
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     what, correct, outputs = f"correct_fn of task {task_name!r}", 0, []
@@ -701,10 +655,8 @@ def greedy_accuracy(
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         enc = enc.to(device)
         out = policy.generate(**enc, **ids, do_sample=False, max_new_tokens=max_new_tokens)
-        completions = tokenizer.batch_decode(
-            out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
-        )
-        texts = [style[1] + completion for completion in completions]  # the response prefix + it
+        new = out[:, enc["input_ids"].shape[1] :]
+        texts = [style[1] + c for c in tokenizer.batch_decode(new, skip_special_tokens=True)]
         correct += sum(_checked_scores(correct_fn, what, texts, batch, start, unit=True))
         outputs += texts
     return correct / len(examples), outputs

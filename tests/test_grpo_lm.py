@@ -201,7 +201,7 @@ def test_gsm8k_loader_real_file_and_errors(tmp_path):
     with pytest.raises(common.UsageError, match=r"bad.jsonl:1: answer 'no final number' is not a number"):
         tasks.load_jsonl_task(bad, num_test=0)
     with pytest.raises(common.UsageError, match="cannot read .*missing.jsonl: No such file"):
-        tasks.load_jsonl_task(tmp_path / "missing.jsonl")
+        tasks.load_jsonl_task(tmp_path / "missing.jsonl", 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_jsonl_answer_the_numeric_reward_cannot_parse_is_file_line(tmp_path):
 def test_jsonl_binary_file_and_lone_surrogate_are_file_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\x1f\x8b\x08\x00\xff\xfe\n")
-    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: not UTF-8 text \(byte 0x8b at column 2\)")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: not UTF-8 \(byte 0x8b at column 2\)")
     write_jsonl(path, [GOOD, '{"question": "a \\ud800 b", "answer": "#### 1"}'])
     one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: field 'question': .*lone surrogate '\\ud800' at character 3")
 
@@ -70,7 +70,7 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
         assert tasks.load_jsonl_task(p, num_test=1).test == [{"question": "What is 40 + 5?", "answer": "45", "solution": "40 + 5 = 45"}]
     cases = [("[1, 2]", r"d.jsonl:2: expected a JSON object \{...\}, got \[1, 2\]"),
              ("{not json", r"d.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at column 2\)"),
-             ({"q": "x", "answer": "1"}, r"d.jsonl:2: no field 'question' \(the prompt: --prompt-field\); its fields: 'q', 'answer'"),
+             ({"q": "x", "answer": "1"}, r"d.jsonl:2: no field 'question' \(the prompt: --prompt-field\), only 'q', 'answer'$"),
              ({"question": "x"}, r"d.jsonl:2: no field 'answer' \(the answer: --answer-field\)"),
              ({"question": 3, "answer": "1"}, r"d.jsonl:2: field 'question' \(the prompt\) must be a non-empty string, got 3$"),
              ({"question": "x", "answer": True}, r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite number, got true$"),
@@ -81,8 +81,8 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
     for row, match in cases:
         path = write_jsonl(tmp_path / "d.jsonl", [GOOD, row, GOOD])
         one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"^--dataset: .*" + match)
-    one_line_error(tasks.load_jsonl_task, tmp_path / "missing.jsonl", match=r"^--dataset: cannot read .*missing.jsonl: No such file or directory$")
-    one_line_error(tasks.load_jsonl_task, tmp_path, match=r"^--dataset: cannot read .*: Is a directory$")
+    one_line_error(tasks.load_jsonl_task, tmp_path / "missing.jsonl", 0, match=r"^--dataset: cannot read .*missing.jsonl: No such file or directory$")
+    one_line_error(tasks.load_jsonl_task, tmp_path, 0, match=r"^--dataset: cannot read .*: Is a directory$")
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 3)
     one_line_error(tasks.load_jsonl_task, path, num_test=3, match=r"^--eval-size 3: .*d.jsonl has 3 problems; hold out fewer$")
     write_jsonl(tmp_path / "d.jsonl", ["", "  "])
@@ -146,7 +146,7 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
     one_line_error(tasks.score_correct, task, ["3", "4", "5\nx"], ex,
                    match=r"^correct_fn of task 'addition' returned str on completion 2 \('5\\nx'\); expected True/False")
     task.correct_fn = lambda c, e: 2
-    one_line_error(tasks.score_correct, task, ["3"], ex[:1], match=r"returned 2.0 on completion 0 .*in \[0, 1\]")
+    one_line_error(tasks.score_correct, task, ["3"], ex[:1], match=r"returned 2 on completion 0 .*in \[0, 1\]")
 
     def raises(c, e):
         raise KeyError("multi\nline")
@@ -165,7 +165,7 @@ def test_task_reward_fn_failures_name_the_task_and_completion_index():
     ex = [{"question": "q", "answer": "25"}] * 3
     assert tasks.score_task(task, ["25", "26", "twenty"], ex)[0].tolist() == [1.5, 0.5, 0.0]
     for value, match in ((None, r"returned NoneType on completion 1"), (float("nan"), r"returned nan on completion 1"),
-                         ("1.0", r"returned str on completion 1"), (10 ** 400, r"returned inf on completion 1")):
+                         ("1.0", r"returned str on completion 1"), (10 ** 400, r"returned 1000000000000000000000000000000000000... on completion 1")):
         task.reward_fn = lambda c, e, v=value: 1.0 if c == "25" else v
         one_line_error(tasks.score_task, task, ["25", "26"], ex[:2], match=r"^reward function of task 'addition' " + match)
     task.reward_fn = lambda c, e: True if c == "25" else False  # a bool is a number: True is 1.0
@@ -357,7 +357,7 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
                        match=rf"^reward function {re.escape(str(good))}:{name.title() if name == 'always' else name} " + match)
     length = dict(fns)["length"]
     one_line_error(tasks.score_reward_fns, [("a", length), ("b", length)], ["0123456789"], [{}], weights=[1.7e308, 1.7e308],
-                   match=r"^the weighted sum of the rewards is inf on completion 0 \('0123456789'\); lower --reward-weights$")
+                   match=r"^the weighted rewards sum to inf on completion 0 \('0123456789'\); lower --reward-weights$")
 
 
 
