@@ -169,7 +169,7 @@ def load_jsonl_task(
     "answer": final}``; ``"... #### 45"`` gives ``final = "45"``, the text before as ``"solution"``.
     ``numeric``: answers are numbers (thousands separators dropped), :func:`outcome_reward`; else
     text, :func:`answer_text_matches`. UsageError ``--dataset: {path}:{line}: ...``: a bad line."""
-    check(numeric or not format_reward, "--format-reward: pays for a last number: needs numbers")
+    check(numeric or not format_reward, "--format-reward: needs numeric answers (it pays for one)")
     examples = []
     try:
         with open(path, "rb") as f:

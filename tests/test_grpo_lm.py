@@ -271,7 +271,7 @@ def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_pa
         (["--group-size", "1"], "--group-size: must be greater than or equal to 2"),
         (["--max-new-tokens", "0"], "--max-new-tokens: must be greater than or equal to 1"),
         (["--model-name-or-path", "./no/such/model"], "--model-name-or-path: model directory ./no/such/model does not exist"),
-        (["--dataset", "missing.jsonl"], "--dataset: dataset file missing.jsonl does not exist"),
+        (["--dataset", "missing.jsonl"], "--dataset: cannot read missing.jsonl: No such file or directory"),
         (["--resume", "nothing.pt"], "--resume: checkpoint file nothing.pt does not exist"),
     ],
 )
