@@ -1064,9 +1064,8 @@ def validate(args: Args) -> None:
         UsageError: naming the flag and what it expects.
     """
     common.check_lm_flags(args)
-    tasks.check_task_flags(args.task, args.dataset, args.answer_format, args.format_reward, args.reward_fn,
-                           args.reward_weights, args.prompt_field, args.answer_field, args.system_prompt,
-                           args.response_prefix)
+    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, args.prompt_field,
+                           args.answer_field, args.system_prompt, args.response_prefix)
     world = common.world_size()
     check(args.total_steps % args.iterations == 0,
           f"--iterations {args.iterations} must divide --total-steps {args.total_steps}")

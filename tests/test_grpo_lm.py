@@ -200,8 +200,8 @@ def test_gsm8k_loader_real_file_and_errors(tmp_path):
     bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
     with pytest.raises(common.UsageError, match=r"bad.jsonl:1: answer 'no final number' is not a number"):
         tasks.load_jsonl_task(bad, num_test=0)
-    with pytest.raises(common.UsageError, match="does not exist"):
-        tasks.load_jsonl_task(tmp_path / "missing.jsonl")
+    with pytest.raises(common.UsageError, match="cannot read .*missing.jsonl: No such file"):
+        tasks.load_jsonl_task(tmp_path / "missing.jsonl", 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_pa
         (["--group-size", "1"], "--group-size: must be greater than or equal to 2"),
         (["--max-new-tokens", "0"], "--max-new-tokens: must be greater than or equal to 1"),
         (["--model-name-or-path", "./no/such/model"], "--model-name-or-path: model directory ./no/such/model does not exist"),
-        (["--dataset", "missing.jsonl"], "--dataset: dataset file missing.jsonl does not exist"),
+        (["--dataset", "missing.jsonl"], "--dataset: cannot read missing.jsonl: No such file or directory"),
         (["--resume", "nothing.pt"], "--resume: checkpoint file nothing.pt does not exist"),
     ],
 )

@@ -42,7 +42,7 @@ def test_jsonl_answer_the_numeric_reward_cannot_parse_is_file_line(tmp_path):
 def test_jsonl_binary_file_and_lone_surrogate_are_file_line(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(json.dumps(GOOD).encode() + b"\n\x1f\x8b\x08\x00\xff\xfe\n")
-    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: not UTF-8 text \(byte 0x8b at column 2\)")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: not UTF-8 \(byte 0x8b at column 2\)")
     write_jsonl(path, [GOOD, '{"question": "a \\ud800 b", "answer": "#### 1"}'])
     one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d\.jsonl:2: field 'question': .*lone surrogate '\\ud800' at character 3")
 
@@ -57,7 +57,7 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
             {"prompt": "A thousand and one?", "target": "1,001"}, "", {"prompt": "Minus three?", "target": "-3"},
             {"prompt": "Tiny?", "target": 1e-07}]
     path = write_jsonl(tmp_path / "plain.jsonl", rows)
-    task = tasks.load_jsonl_task(path, num_test=2, prompt_field="prompt", answer_field="target", split_seed=0)
+    task = tasks.load_jsonl_task(path, num_test=2, prompt_field="prompt", answer_field="target")
     assert task.name == "plain" and len(task.train) == 3 and len(task.test) == 2  # the blank line is skipped
     by_prompt = {ex["prompt"]: ex for ex in task.train + task.test}
     assert by_prompt["Two plus two?"] == {"prompt": "Two plus two?", "target": 4, "id": 7, "question": "Two plus two?", "answer": "4"}
@@ -68,25 +68,25 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
     (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "gsm.jsonl").read_bytes())
     for p in (gsm, tmp_path / "bom.jsonl"):
         assert tasks.load_jsonl_task(p, num_test=1).test == [{"question": "What is 40 + 5?", "answer": "45", "solution": "40 + 5 = 45"}]
-    cases = [("[1, 2]", r"d.jsonl:2: expected a JSON object \{...\}, got an array"),
+    cases = [("[1, 2]", r"d.jsonl:2: expected a JSON object \{...\}, got \[1, 2\]"),
              ("{not json", r"d.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at column 2\)"),
-             ({"q": "x", "answer": "1"}, r"d.jsonl:2: no field 'question' \(the prompt; choose the field with --prompt-field\); its fields: 'q', 'answer'"),
-             ({"question": "x"}, r"d.jsonl:2: no field 'answer' \(the answer; choose the field with --answer-field\)"),
-             ({"question": 3, "answer": "1"}, r"d.jsonl:2: field 'question' \(the prompt\) must be a string, got a number"),
-             ({"question": "x", "answer": True}, r"d.jsonl:2: field 'answer' \(the answer\) must be a string or a number, got true/false"),
-             ({"question": "x", "answer": None}, r"must be a string or a number, got null"),
-             ({"question": " \n ", "answer": "1"}, r"d.jsonl:2: field 'question' \(the prompt\) is empty"),
-             ('{"question": "x", "answer": NaN}', r"d.jsonl:2: field 'answer' \(the answer\) is nan, not a finite number"),
+             ({"q": "x", "answer": "1"}, r"d.jsonl:2: no field 'question' \(the prompt: --prompt-field\), only 'q', 'answer'$"),
+             ({"question": "x"}, r"d.jsonl:2: no field 'answer' \(the answer: --answer-field\)"),
+             ({"question": 3, "answer": "1"}, r"d.jsonl:2: field 'question' \(the prompt\) must be a non-empty string, got 3$"),
+             ({"question": "x", "answer": True}, r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite number, got true$"),
+             ({"question": "x", "answer": None}, r"must be a non-empty string or a finite number, got null$"),
+             ({"question": " \n ", "answer": "1"}, r"d.jsonl:2: field 'question' \(the prompt\) must be a non-empty string, got \" \\n \"$"),
+             ('{"question": "x", "answer": NaN}', r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite number, got NaN$"),
              ('{"question": "x", "answer": "\\udfff"}', r"d.jsonl:2: field 'answer': contains a lone surrogate")]
     for row, match in cases:
         path = write_jsonl(tmp_path / "d.jsonl", [GOOD, row, GOOD])
         one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"^--dataset: .*" + match)
-    one_line_error(tasks.load_jsonl_task, tmp_path / "missing.jsonl", match=r"^--dataset: dataset file .*missing.jsonl does not exist$")
-    one_line_error(tasks.load_jsonl_task, tmp_path, match=r"^--dataset: .* is not a file; expected a JSON Lines file$")
+    one_line_error(tasks.load_jsonl_task, tmp_path / "missing.jsonl", 0, match=r"^--dataset: cannot read .*missing.jsonl: No such file or directory$")
+    one_line_error(tasks.load_jsonl_task, tmp_path, 0, match=r"^--dataset: cannot read .*: Is a directory$")
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 3)
-    one_line_error(tasks.load_jsonl_task, path, num_test=3, match=r"d.jsonl has 3 examples; need more than the 3 held out \(--eval-size\)")
+    one_line_error(tasks.load_jsonl_task, path, num_test=3, match=r"^--eval-size 3: .*d.jsonl has 3 problems; hold out fewer$")
     write_jsonl(tmp_path / "d.jsonl", ["", "  "])
-    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d.jsonl has 0 examples")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"d.jsonl has 0 problems")
 
 
 def test_jsonl_non_numeric_answers_and_their_correct_fn(tmp_path):
@@ -94,7 +94,7 @@ def test_jsonl_non_numeric_answers_and_their_correct_fn(tmp_path):
             {"question": "Count?", "answer": "#### 1,234"}, {"question": "Dots?", "answer": "#### ..."}]
     path = write_jsonl(tmp_path / "t.jsonl", rows[:3])
     one_line_error(tasks.load_jsonl_task, path, num_test=0, match=r"t.jsonl:1: answer 'Paris' is not a number")
-    task = tasks.load_jsonl_task(path, num_test=0, numeric_answers=False)
+    task = tasks.load_jsonl_task(path, num_test=0, numeric=False)
     paris, count, cost = sorted(task.train, key=lambda ex: len(ex["question"]), reverse=True)
     assert (paris["answer"], cost["answer"], count["answer"]) == ("Paris", "45 dollars", "1234")
     match = tasks.answer_text_matches
@@ -103,9 +103,9 @@ def test_jsonl_non_numeric_answers_and_their_correct_fn(tmp_path):
     assert match("it costs 45   Dollars!", cost) and not match("it costs 45", cost)
     assert match("1,234 things", count) and match("1234.0", count) and not match("1235", count)
     assert task.reward_fn("Paris", paris) == 1.0 and task.reward_fn("Lyon", paris) == 0.0
-    one_line_error(tasks.load_jsonl_task, path, num_test=0, numeric_answers=False, format_reward=0.1, match=r"^--format-reward: ")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, numeric=False, format_reward=0.1, match=r"^--format-reward: ")
     write_jsonl(tmp_path / "t.jsonl", rows)
-    one_line_error(tasks.load_jsonl_task, path, num_test=0, numeric_answers=False, match=r"t.jsonl:4: answer '...' has no text to compare")
+    one_line_error(tasks.load_jsonl_task, path, num_test=0, numeric=False, match=r"t.jsonl:4: answer '...' has no text to compare")
 
 
 def test_gsm8k_real_file_line_numbers_and_speed():
@@ -146,7 +146,7 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
     one_line_error(tasks.score_correct, task, ["3", "4", "5\nx"], ex,
                    match=r"^correct_fn of task 'addition' returned str on completion 2 \('5\\nx'\); expected True/False")
     task.correct_fn = lambda c, e: 2
-    one_line_error(tasks.score_correct, task, ["3"], ex[:1], match=r"returned 2.0 on completion 0 .*in \[0, 1\]")
+    one_line_error(tasks.score_correct, task, ["3"], ex[:1], match=r"returned 2 on completion 0 .*in \[0, 1\]")
 
     def raises(c, e):
         raise KeyError("multi\nline")
@@ -163,13 +163,13 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
 def test_task_reward_fn_failures_name_the_task_and_completion_index():
     task = tasks.make_addition_task(num_test=4, format_reward=0.5)
     ex = [{"question": "q", "answer": "25"}] * 3
-    assert tasks.score_completions(task, ["25", "26", "twenty"], ex).tolist() == [1.5, 0.5, 0.0]
+    assert tasks.score_task(task, ["25", "26", "twenty"], ex)[0].tolist() == [1.5, 0.5, 0.0]
     for value, match in ((None, r"returned NoneType on completion 1"), (float("nan"), r"returned nan on completion 1"),
-                         ("1.0", r"returned str on completion 1"), (10 ** 400, r"returned inf on completion 1")):
+                         ("1.0", r"returned str on completion 1"), (10 ** 400, r"returned 1000000000000000000000000000000000000... on completion 1")):
         task.reward_fn = lambda c, e, v=value: 1.0 if c == "25" else v
-        one_line_error(tasks.score_completions, task, ["25", "26"], ex[:2], match=r"^reward function of task 'addition' " + match)
+        one_line_error(tasks.score_task, task, ["25", "26"], ex[:2], match=r"^reward function of task 'addition' " + match)
     task.reward_fn = lambda c, e: True if c == "25" else False  # a bool is a number: True is 1.0
-    assert tasks.score_completions(task, ["25", "26"], ex[:2]).tolist() == [1.0, 0.0]
+    assert tasks.score_task(task, ["25", "26"], ex[:2])[0].tolist() == [1.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def test_with_think_answer_format_reads_the_answer_block():
     ex = {"question": "What is 12 + 13?", "answer": "25"}
     responses = ["<think>12 + 13 = 25</think><answer>25</answer>", "<think>hm</think> <answer>26</answer>",
                  "<answer>25</answer>", "12 + 13 = 25", "<think>25</think><answer>it is 25</answer>"]
-    rewards = tasks.score_completions(task, responses, [ex] * 5)
+    rewards, _ = tasks.score_task(task, responses, [ex] * 5)
     assert rewards.tolist() == pytest.approx([1.1, 0.1, 1.0, 0.0, 1.1])
     assert tasks.score_correct(task, responses, [ex] * 5).tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
     prefix, completion = "<think>", "12 + 13 = 25</think><answer>25</answer>"  # the scripts score prefix + completion
@@ -301,7 +301,7 @@ def test_reward_fns_from_files_weighted_sum_and_each_function_alone(tmp_path):
     (tmp_path / "a" / "rewards.py").write_text(REWARDS)
     (tmp_path / "b" / "other.py").write_text("def length(completion, example):\n    return -1.0\n")
     a, b = tmp_path / "a" / "rewards.py", tmp_path / "b" / "other.py"
-    fns = tasks.load_reward_fns([f"{a}:length", f"{a}:is_answer"], weights=[1.0, 2.0])
+    fns = tasks.load_reward_fns([f"{a}:length", f"{a}:is_answer"])
     assert [name for name, _ in fns] == ["length", "is_answer"]
     ex = {"question": "q", "answer": "25"}
     total, each = tasks.score_reward_fns(fns, ["25", "abcd", ""], [ex] * 3, weights=[1.0, 2.0])
@@ -331,21 +331,23 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
         (f"{good}:", r"^--reward-fn: expected path/to/file.py:function_name"),
         (f"{good}:not-a-name", r"^--reward-fn: expected path/to/file.py:function_name"),
         (f"{tmp_path}/missing.py:f", r"^--reward-fn .*missing.py:f: file .*missing.py does not exist$"),
-        (f"{tmp_path}/rewards.txt:length", r"^--reward-fn .*rewards.txt:length: expected a Python file ending in .py$"),
+        (f"{tmp_path}/rewards.txt:length", r"^--reward-fn: expected path/to/file.py:function_name, got '.*rewards.txt:length'$"),
         (f"{tmp_path}/syntax.py:f", r"^--reward-fn .*syntax.py:f: cannot import .*syntax.py: SyntaxError: "),
         (f"{tmp_path}/boom.py:f", r"^--reward-fn .*boom.py:f: cannot import .*boom.py: RuntimeError: needs a GPU really$"),
-        (f"{good}:nope", r"^--reward-fn .*rewards.py:nope: .*rewards.py has no 'nope'; it defines: length, is_answer, "),
-        (f"{good}:THRESHOLD", r"^--reward-fn .*rewards.py:THRESHOLD: is int, not a function$"),
-        (f"{good}:one_argument", r"^--reward-fn .*rewards.py:one_argument: must take \(completion: str, example: dict\)"),
+        (f"{good}:nope", r"^--reward-fn .*rewards.py:nope: .*rewards.py has no function 'nope'; it defines: length, is_answer, "),
+        (f"{good}:THRESHOLD", r"^--reward-fn .*rewards.py:THRESHOLD: .*rewards.py has no function 'THRESHOLD'"),
+        (f"{good}:one_argument", r"^--reward-fn .*rewards.py:one_argument: must take \(completion, example\)"),
     ]:
         one_line_error(load, [f"{good}:length", spec], match=match)
-    one_line_error(load, [f"{good}:length", f"{good}:is_answer"], weights=[1.0],
-                   match=r"^--reward-weights: got 1 weights for 2 reward functions \(--reward-fn\)")
-    one_line_error(load, [f"{good}:length"], weights=[math.nan], match=r"^--reward-weights: weights must be finite")
+    flags = dict(format_reward=0.0, prompt_field="question", answer_field="answer", system_prompt=None, prefix="")
+    one_line_error(tasks.check_task_flags, reward_fns=[f"{good}:length", f"{good}:is_answer"], reward_weights=[1.0],
+                   **flags, match=r"^--reward-weights: 1 weights for 2 functions \(--reward-fn\)")
+    one_line_error(tasks.check_task_flags, reward_fns=[f"{good}:length"], reward_weights=[math.nan], **flags,
+                   match=r"^--reward-weights: must be finite")
     fns = load([f"{good}:length", f"{good}:returns_none", f"{good}:raises", f"{good}:returns_nan", f"{good}:always"])
-    one_line_error(tasks.score_reward_fns, fns, ["a"], [{}], weights=[1.0, 1.0], match=r"^--reward-weights: got 2 weights for 5")
+    one_line_error(tasks.score_reward_fns, fns, ["a"], [{}], weights=[1.0, 1.0], match=r"^--reward-weights: 2 weights for 5")
     texts, exs = ["ok", "two\nlines"], [{}, {}]
-    for name, match in [("returns_none", r"returned NoneType on completion 0 \('ok'\); expected a number"),
+    for name, match in [("returns_none", r"returned NoneType on completion 0 \('ok'\); expected a finite number"),
                         ("raises", r"raised ValueError: bad completion on completion 0 \('ok'\)"),
                         ("returns_nan", r"returned nan on completion 0 \('ok'\); expected a finite number"),
                         ("always", r"returned str on completion 0 \('ok'\)")]:
@@ -354,8 +356,21 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
                        match=rf"^reward function {re.escape(str(good))}:{name.title() if name == 'always' else name} " + match)
     length = dict(fns)["length"]
     one_line_error(tasks.score_reward_fns, [("a", length), ("b", length)], ["0123456789"], [{}], weights=[1.7e308, 1.7e308],
-                   match=r"^the weighted sum of the rewards is inf on completion 0 \('0123456789'\); lower --reward-weights$")
+                   match=r"^the weighted rewards sum to inf on completion 0 \('0123456789'\); lower --reward-weights$")
 
+
+
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt])
+def test_a_reward_function_that_exits_or_interrupts_is_one_line_naming_it(tmp_path, error):
+    # issue 27: sys.exit() (or KeyboardInterrupt) inside user code is one error line, as any other exception
+    path = tmp_path / "quits.py"
+    path.write_text(f"def quits(completion, example):\n    raise {error.__name__}('stop')\n")
+    fns = tasks.load_reward_fns([f"{path}:quits"])
+    one_line_error(tasks.score_reward_fns, fns, ["ok"], [{}],
+                   match=rf"^reward function {re.escape(str(path))}:quits raised {error.__name__}: stop on completion 0")
+    task = tasks.make_addition_task(num_test=4)
+    task.correct_fn = fns[0][1]
+    one_line_error(tasks.score_correct, task, ["ok"], [{}], match=rf"^correct_fn of task 'addition' raised {error.__name__}")
 
 # ---------------------------------------------------------------------------------------------
 # Countdown: generated offline, every problem solvable, checked by exact arithmetic (never eval)
@@ -464,17 +479,11 @@ def test_countdown_task_is_generated_offline_solvable_and_split():
     assert len(keys) == 10_000  # no problem twice, so none is both trained on and held out
     small = tasks.make_countdown_task(num_test=5, num_problems=200)
     assert small.test == task.test[:5] == tasks.make_countdown_task(num_test=5, num_problems=200).test  # every run
-    assert tasks.make_countdown_task(num_test=5, num_problems=200, split_seed=7).test != small.test
-    small = tasks.make_countdown_task(num_test=2, num_problems=20, num_numbers=3, max_number=9, max_target=20)
-    assert all(len(ex["numbers"]) == 3 and ex["target"] <= 20 for ex in small.train + small.test)
-    assert tasks.score_completions(task, [f"<answer>{first['solution']}</answer>", "no"], [first] * 2).tolist() == \
+    assert tasks.score_task(task, [f"<answer>{first['solution']}</answer>", "no"], [first] * 2)[0].tolist() == \
         pytest.approx([1.1, 0.0])
     think = tasks.with_think_answer_format(task)  # the format's 0.1 replaces the answer block's 0.1
     assert think.reward_fn(f"<think>45 + 15</think><answer>{first['solution']}</answer>", first) == pytest.approx(1.1)
     assert think.reward_fn("<think>no</think><answer>57 + 15</answer>", first) == pytest.approx(0.1)
-    one_line_error(tasks.make_countdown_task, num_problems=50, num_numbers=2, max_number=2, max_target=4,
-                   match=r"^--task countdown: only \d+ distinct problems")
-    one_line_error(tasks.make_countdown_task, num_numbers=1, match=r"^--task countdown: needs at least 2 numbers")
     one_line_error(tasks.make_countdown_task, num_test=10, num_problems=10, match=r"^--eval-size 10: task 'countdown' has 10")
 
 
