@@ -1,29 +1,25 @@
 """PPO for continuous control (MuJoCo) on gymnasium 1.x, read beside "The 37 Implementation
-Details of PPO" (Huang et al., ICLR blog track 2022): its 13 core details ("core #k") and 9
-continuous-action ones ("cont. #k"); GAE is Schulman et al. 2016 eq. 16, the clipped surrogate
-Schulman et al. 2017 eq. 7. CleanRL's ppo_continuous_action.py with its defaults, except:
-  * Normalisation uses gymnasium's vector-level wrappers (statistics shared by all envs, saved in
-    checkpoints, frozen by --eval-checkpoint), which need next-step autoreset: the step after an
-    episode ends only resets the env (action ignored, reward 0). It is stored but masked out of the
-    loss, and GAE never crosses it.
+Details of PPO" (Huang et al., ICLR blog track 2022): its 13 core ("core #k") and 9 continuous
+("cont. #k") details; GAE is Schulman et al. 2016 eq. 16, the clipped surrogate Schulman et al.
+2017 eq. 7. CleanRL's ppo_continuous_action.py with its defaults, except:
+  * gymnasium's vector-level normalisation (statistics shared by all envs, saved in checkpoints,
+    frozen by --eval-checkpoint) needs next-step autoreset: the step after an episode ends only
+    resets the env (reward 0); it is stored but masked out of the loss, and GAE never crosses it.
   * A time-limit truncation bootstraps from V(final observation), which that masked step holds
     (--no-bootstrap-truncation: a termination, as in CleanRL).
-  * The rollout samples with a NumPy copy of the actor (same function to float32 rounding, a sixth
-    of torch's cost per step); values and log-probs come from one batched pass after it.
+  * The rollout samples with a NumPy copy of the actor (a sixth of torch's cost per step);
+    values and log-probs come from one batched pass after it.
   * Minibatches hold at least 2 real transitions (with 1, CleanRL's advantage std is NaN).
-  * A non-finite loss, gradient norm or weight stops the run before it is applied or saved.
-  * Atomic checkpoints; --resume continues a run exactly, but for one limit (see resume_from).
+  * Nothing non-finite is applied or saved; checkpoints are atomic; --resume continues a run
+    exactly, but for one limit (see resume_from).
 Usage: python ppo_continuous.py --env-id Hopper-v5 --seed 1, then --resume or --eval-checkpoint
-runs/<run>/checkpoint.pt; tensorboard --logdir runs.
-"""
+runs/<run>/checkpoint.pt; tensorboard --logdir runs."""
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import os
-import random
 import re
 import sys
 import tempfile
@@ -38,12 +34,8 @@ import torch
 import torch.nn as nn
 import tyro
 from annotated_types import Ge, Gt, Interval
-from gymnasium.wrappers import RecordVideo
 from gymnasium.wrappers import vector as vector_wrappers
-from gymnasium.wrappers.utils import RunningMeanStd
-from torch.distributions.normal import Normal
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 
 # a name that can be part of a path: no '/', backslash or NUL
 PathPart = Annotated[str, pydantic.StringConstraints(pattern=r"^[^/\\\x00]+$")]
@@ -116,7 +108,7 @@ def mlp(in_dim: int, out_dim: int, std: float) -> nn.Sequential:
 
 class Agent(nn.Module):
     """Gaussian policy with state-independent log-std (cont. #1-#3) and a separate critic.
-    ``actor_mean(x)``: ``(B, obs_dim) -> (B, act_dim)``; ``get_value(x)``: ``(B, obs_dim) -> (B,)``.
+    ``actor_mean(x)``: ``(B, obs_dim) -> (B, act_dim)``; ``critic(x)``: ``(B, obs_dim) -> (B, 1)``.
     """
 
     def __init__(self, obs_dim: int, act_dim: int):
@@ -124,9 +116,6 @@ class Agent(nn.Module):
         self.critic = mlp(obs_dim, 1, std=1.0)
         self.actor_mean = mlp(obs_dim, act_dim, std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # cont. #2
-
-    def get_value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(x).squeeze(-1)
 
     def numpy_actor_mean(self):
         """A NumPy copy of ``actor_mean`` as it is now, float32, the same function to rounding
@@ -140,24 +129,21 @@ class Agent(nn.Module):
         action dimensions are independent, their log-probs and entropies summed (cont. #3)."""
         action_mean = self.actor_mean(x)
         std = self.actor_logstd.expand_as(action_mean).exp()
-        probs = Normal(action_mean, std, validate_args=False)
-        return probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.get_value(x)
+        probs = torch.distributions.Normal(action_mean, std, validate_args=False)
+        return probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.critic(x).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------
 # The PPO loss of one minibatch (core #7-#10, #12)
 # ----------------------------------------------------------------------------------------------
 def ppo_loss(agent: Agent, minibatch, clip_coef, vf_coef, ent_coef, norm_adv=True, clip_vloss=True):
-    """``L_clip + vf_coef * L_V - ent_coef * H`` of a minibatch of ``B`` transitions, to be
-    minimised (Schulman et al. 2017 eq. 7 and 9, negated). ``minibatch``: ``obs`` ``(B, obs_dim)``
-    normalised, ``actions`` ``(B, act_dim)`` unclipped, then ``(B,)``: ``old_logprobs``,
-    ``advantages`` (GAE), ``returns = advantages + old_values``, ``old_values``. Returns ``(loss,
-    stats)``: detached ``policy_loss``, ``value_loss``, ``entropy``, ``old_approx_kl``,
-    ``approx_kl`` (k1 and k3 estimates of KL(pi_old || pi)) and ``clipfrac``. ValueError below 2
-    transitions (1 without ``norm_adv``)."""
+    """``L_clip + vf_coef * L_V - ent_coef * H`` of ``B`` transitions, to be minimised (Schulman et
+    al. 2017 eq. 7 and 9, negated). ``minibatch``: ``obs`` ``(B, obs_dim)`` normalised, ``actions``
+    ``(B, act_dim)`` unclipped, then ``(B,)``: ``old_logprobs``, ``advantages`` (GAE), ``returns =
+    advantages + old_values``, ``old_values``. Returns ``(loss, stats)``: detached ``policy_loss``,
+    ``value_loss``, ``entropy``, ``old_approx_kl``, ``approx_kl`` (k1, k3 estimates of KL(pi_old ||
+    pi)), ``clipfrac``. With ``norm_adv``, 1 transition has no std: :func:`minibatches` gives 2+."""
     obs, actions, old_logprobs, advantages, returns, old_values = minibatch
-    if advantages.shape[0] < (2 if norm_adv else 1):
-        raise ValueError(f"ppo_loss: a minibatch needs at least {2 if norm_adv else 1} transitions")
     newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
     logratio = newlogprob - old_logprobs
     ratio = logratio.exp()
@@ -191,18 +177,14 @@ def ppo_loss(agent: Agent, minibatch, clip_coef, vf_coef, ent_coef, norm_adv=Tru
 
 
 # ----------------------------------------------------------------------------------------------
-# GAE (core #5), minibatches (core #6), explained variance (core #12)
+# GAE (core #5) and minibatches (core #6)
 # ----------------------------------------------------------------------------------------------
 def compute_gae(rewards, values, next_values, terminations, dones, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation (Schulman et al. 2016 eq. 16) over arrays ``(T, N)``:
+    """Generalized advantage estimation (Schulman et al. 2016 eq. 16) over NumPy arrays ``(T, N)``:
     ``delta_t = r_t + gamma * (1 - term_t) * V(s_{t+1}) - V(s_t)``, ``A_t = delta_t + gamma *
-    lambda * (1 - done_t) * A_{t+1}``. ``next_values[t]``: V of the observation step t returned
-    (the final one when the episode ended); ``terminations``: 1 where it is terminal (pass
-    ``dones`` to treat truncation as termination, as CleanRL); ``dones``: 1 where the episode
-    ended. Returns ``(advantages, returns = advantages + values)``. NumPy: ~1 us per op, torch ~5.
-    """
-    if not rewards.shape == values.shape == next_values.shape == terminations.shape == dones.shape:
-        raise ValueError("compute_gae: rewards, values, next_values, terminations, dones differ")
+    lambda * (1 - done_t) * A_{t+1}``; ``next_values[t]``: V of the observation step t returned (the
+    final one at an episode's end); ``terminations``: 1 where it is terminal (``dones``: CleanRL's
+    rule); ``dones``: 1 where the episode ended. Returns ``(advantages, advantages + values)``."""
     advantages = np.zeros_like(rewards)
     lastgaelam = np.zeros_like(rewards[0])
     for t in reversed(range(rewards.shape[0])):
@@ -218,27 +200,22 @@ def minibatches(inds: torch.Tensor, num_minibatches: int) -> tuple[torch.Tensor,
     return torch.tensor_split(inds, min(num_minibatches, len(inds) // 2)) if len(inds) >= 2 else ()
 
 
-def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
-    """1 - Var[y_true - y_pred] / Var[y_true] over 1-D arrays; NaN when Var[y_true] is 0."""
-    var_y = np.var(y_true)
-    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
-
-
 # ----------------------------------------------------------------------------------------------
 # Training: the loop of the paper's algorithm box
 # ----------------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
-    """Train PPO; returns the run's summary (:func:`write_summary`). Raises UsageError: bad input
-    (before any vector env is made), a non-finite update (before it is applied or saved)."""
+    """Train PPO; returns ``{run_dir, global_step, sps, cpu_sps, episodes: [(step, return, length)],
+    masked_steps, final_return_last10}``, also written to ``{run_dir}/summary.json``. Raises
+    UsageError: bad input (before any vector env is made), a non-finite update (not applied)."""
     ckpt, run_dir, obs_dim, act_dim = open_run(args)  # flags, files and env checked, none made
     ckpt_path = run_dir / "checkpoint.pt"
 
     # TRY NOT TO MODIFY: seeding
-    random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = get_device(args)
+    torch.set_num_threads(args.num_threads or torch.get_num_threads())
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
     # core #13: separate networks; core #3: Adam with eps 1e-5, fused (one kernel, same update)
     agent = Agent(obs_dim, act_dim).to(device)
@@ -256,8 +233,7 @@ def train(args: Args) -> dict:
     rewards, terminations, dones, valid = np.zeros((4, args.num_steps, args.num_envs), np.float32)
 
     if ckpt is None:
-        start_iteration, global_step = 1, 0
-        next_obs, _ = envs.reset(seed=args.seed)
+        start_iteration, global_step, (next_obs, _) = 1, 0, envs.reset(seed=args.seed)
     else:  # in-flight episodes restart from a seeded reset (see resume_from)
         start_iteration, global_step, next_obs = resume_from(ckpt, optimizer, envs, args)
     next_valid = np.ones(args.num_envs, dtype=np.float32)
@@ -265,7 +241,6 @@ def train(args: Args) -> dict:
     episodes, masked_steps = [], 0  # (global step, return, length) of each episode; autoreset steps
     start = (time.time(), time.process_time(), global_step)  # for the speeds
     save_every = args.save_every or args.num_iterations  # 0: only at the end
-    pbar = tqdm(total=args.num_iterations * args.batch_size, initial=global_step, unit="step")
 
     try:
         for iteration in range(start_iteration, args.num_iterations + 1):
@@ -276,9 +251,8 @@ def train(args: Args) -> dict:
 
             # ROLLOUT: a ~ N(mu(s), sigma) (cont. #1) sampled as mu(s) + sigma * noise, with mu from
             # a NumPy copy of the actor; values and log-probs come from one batched pass after it.
-            with torch.no_grad():
-                noise = torch.randn((args.num_steps, args.num_envs, act_dim), device=device)
-                scaled_noise = (agent.actor_logstd.exp() * noise).cpu().numpy()
+            noise = torch.randn((args.num_steps, args.num_envs, act_dim), device=device)
+            scaled_noise = (agent.actor_logstd.detach().exp() * noise).cpu().numpy()
             actor_mean = agent.numpy_actor_mean()
             for step in range(args.num_steps):
                 global_step += args.num_envs
@@ -303,10 +277,10 @@ def train(args: Args) -> dict:
                 b_actions = torch.from_numpy(actions).to(device).reshape(-1, act_dim)
                 b_logprobs, _, b_values = agent.get_action_and_value(b_obs, b_actions)
                 values = b_values.cpu().numpy().reshape(args.num_steps, args.num_envs)
-                last_value = agent.get_value(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+                last_value = agent.critic(torch.from_numpy(next_obs).to(device)).cpu().numpy()
             # V(s_{t+1}): the next stored observation is the one the step returned (the final one
-            # when the episode ended, thanks to next-step autoreset); the last one is next_obs.
-            next_values = np.concatenate([values[1:], last_value[None]])
+            # when the episode ended, thanks to next-step autoreset); the last one is next_obs'.
+            next_values = np.concatenate([values[1:], last_value.T])  # last_value: (num_envs, 1)
 
             # GAE (core #5, Schulman et al. 2016 eq. 16). A time-limit truncation bootstraps from
             # V(final obs) unless --no-bootstrap-truncation, which treats it as a termination.
@@ -344,45 +318,39 @@ def train(args: Args) -> dict:
                 stats["clipfrac"] = torch.stack(clipfracs).mean()
             scalars = {f"losses/{k}": v.item() for k, v in stats.items()}
             y_pred, y_true = (x[b_valid_inds].cpu().numpy() for x in (b_values, b_returns))
-            scalars["losses/explained_variance"] = explained_variance(y_pred, y_true)
+            var_y = np.var(y_true)  # explained variance, NaN when the returns do not vary
+            explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+            scalars["losses/explained_variance"] = float(explained_var)
             scalars["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
             scalars["charts/SPS"] = sps = int((global_step - start[2]) / (time.time() - start[0]))
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, global_step)
-            pbar.update(args.batch_size)
-            if episodes:
-                pbar.set_postfix(ret=f"{episodes[-1][1]:.1f}", sps=sps, refresh=False)
+            print(
+                f"step {global_step}: {sps} SPS, last return", episodes[-1][1] if episodes else ""
+            )
 
             if iteration % save_every == 0 or iteration == args.num_iterations:
-                state = checkpoint_dict(agent, optimizer, envs, args, iteration, global_step)
+                state = run_state(agent, optimizer, envs, args, iteration, global_step)
                 atomic_save(state, ckpt_path)
-    finally:  # also on an error: the progress bar ends its line, the logs reach the disk
-        pbar.close()
+    finally:  # also on an error: the logs reach the disk
         envs.close()
         writer.close()
-    return write_summary(run_dir, args, episodes, masked_steps, global_step, start)
 
-
-def write_summary(run_dir, args, episodes, masked_steps, global_step, start) -> dict:
-    """``{run_dir, global_step, sps, cpu_sps, episodes: [(step, return, length)], masked_steps,
-    final_return_last10}``, also in ``{run_dir}/summary.json``; speeds per wall and CPU second
-    since ``start = (time, CPU time, step)``."""
+    # the summary (also for benchmarks/ppo_continuous_bench.py); speeds per wall and CPU second
     steps, last = global_step - start[2], [r for _, r, _ in episodes[-10:]]
     sps, cpu_sps = steps / (time.time() - start[0]), steps / (time.process_time() - start[1])
     final = float(np.mean(last)) if last else None
     summary = dict(run_dir=str(run_dir), global_step=global_step, sps=sps, cpu_sps=cpu_sps)
     summary |= dict(episodes=episodes, masked_steps=masked_steps, final_return_last10=final)
     (run_dir / "summary.json").write_text(json.dumps(summary))
-    ret = f", mean return of the last {len(last)} episodes {final:.1f}" if last else ""
-    print(f"{args.env_id}: {global_step} steps, {sps:.0f} steps/s{ret}")
-    print(f"checkpoint: {run_dir / 'checkpoint.pt'}")
+    print(f"{args.env_id}: {global_step} steps at {sps:.0f} SPS; checkpoint: {ckpt_path}")
     return summary
 
 
 # ----------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: environment (gymnasium's vector-level wrappers) and evaluation
 # ----------------------------------------------------------------------------------------------
-class FastRunningMeanStd(RunningMeanStd):
+class FastRunningMeanStd(gym.wrappers.utils.RunningMeanStd):
     """gymnasium's ``RunningMeanStd``, bit for bit, with a shortcut for a batch of one row (mean
     ``x[0]``, variance 0) that skips ~50 us of NumPy reductions per step with ``--num-envs 1``."""
 
@@ -404,11 +372,10 @@ def check_env_id(env_id: str) -> tuple[int, int]:
         raise UsageError(f"--env-id: cannot make {env_id!r}: {first_line(e)}{cause}") from None
     obs_space, act_space = env.observation_space, env.action_space
     env.close()
-    box = "this script needs a continuous (Box) one (use a discrete-action PPO for it)"
-    discrete = f"--env-id: {env_id} has a {type(act_space).__name__} action space; {box}"
-    check(isinstance(act_space, gym.spaces.Box), discrete)
-    flat = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
-    check(flat, f"--env-id: {env_id} needs a flat Box observation space, got {obs_space}")
+    ok = isinstance(act_space, gym.spaces.Box) and isinstance(obs_space, gym.spaces.Box)
+    got = f"{env_id} has {type(act_space).__name__} actions, {obs_space} observations"
+    needs = "Box actions (use a discrete-action PPO for others) and flat Box observations"
+    check(ok and len(obs_space.shape) == 1, f"--env-id: {got}; this script needs {needs}")
     return int(obs_space.shape[0]), int(np.prod(act_space.shape))
 
 
@@ -423,11 +390,11 @@ def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
     if video_dir is not None:  # env 0 records; without a display, MuJoCo renders through EGL
         if sys.platform == "linux" and not os.getenv("DISPLAY"):
             os.environ.setdefault("MUJOCO_GL", "egl")
-        env_fns[0] = lambda: RecordVideo(gym.make(env_id, render_mode="rgb_array"), video_dir)
+        rgb = dict(render_mode="rgb_array")
+        env_fns[0] = lambda: gym.wrappers.RecordVideo(gym.make(env_id, **rgb), video_dir)
     vec_cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
     # copy=False: NormalizeObservation below returns a fresh array every step anyway
-    next_step = gym.vector.AutoresetMode.NEXT_STEP
-    envs = vec_cls(env_fns, copy=False, autoreset_mode=next_step)
+    envs = vec_cls(env_fns, copy=False, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
     envs = vector_wrappers.RecordEpisodeStatistics(envs)
     # cont. #5: what gymnasium's vector ClipAction does, without its per-env Python loop
     low, high = envs.single_action_space.low, envs.single_action_space.high
@@ -446,10 +413,8 @@ def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
 def finished_episodes(infos: dict) -> list[tuple[int, float, int]]:
     """Every episode that ended on this step, as ``(env_index, return, length)``, from gymnasium
     1.x's ``infos["episode"]``/``infos["_episode"]`` (raw rewards), all when several envs finish."""
-    if "_episode" not in infos:
-        return []
-    ep = infos["episode"]
-    return [(int(i), float(ep["r"][i]), int(ep["l"][i])) for i in np.flatnonzero(infos["_episode"])]
+    ep, ended = infos.get("episode"), infos.get("_episode", ())
+    return [(int(i), float(ep["r"][i]), int(ep["l"][i])) for i in np.flatnonzero(ended)]
 
 
 def get_norm_state(envs) -> dict:
@@ -463,14 +428,10 @@ def get_norm_state(envs) -> dict:
 def set_norm_state(envs, state: dict, update: bool = True) -> None:
     """Restore what :func:`get_norm_state` returned, bit for bit; ``update=False`` freezes both
     normalisers (gymnasium's ``update_running_mean``), as for evaluation."""
-    obs, ret = envs.normalizers[0].obs_rms, envs.normalizers[1].return_rms
-    shape, fits = np.shape(state["obs_mean"]), f"observations of shape {obs.mean.shape}"
-    check(shape == obs.mean.shape, f"checkpoint: statistics of shape {shape} do not fit {fits}")
-    for rms, key in ((obs, "obs"), (ret, "ret")):
+    for normalizer, key in zip(envs.normalizers, ("obs", "ret"), strict=True):
+        rms = normalizer.obs_rms if key == "obs" else normalizer.return_rms
         rms.mean, rms.var = np.array(state[f"{key}_mean"]), np.array(state[f"{key}_var"])
-        rms.count = state[f"{key}_count"]
-    for normalizer in envs.normalizers:
-        normalizer.update_running_mean = update
+        rms.count, normalizer.update_running_mean = state[f"{key}_count"], update
 
 
 def evaluate(args: Args) -> list[float]:
@@ -479,8 +440,7 @@ def evaluate(args: Args) -> list[float]:
     path = args.eval_checkpoint
     ckpt = load_checkpoint(path, "--eval-checkpoint")
     saved = Args(**ckpt["args"])  # the flags of the run that wrote it (its env, discount, clips)
-    device = get_device(args)
-    agent = Agent(*check_env_id(saved.env_id)).to(device)
+    agent = Agent(*check_env_id(saved.env_id))  # on the CPU: one row per step
     load_networks(agent, ckpt, path, "--eval-checkpoint", saved.env_id)
     video_dir = str(Path(path).parent / "videos_eval") if args.capture_video else None
     envs = make_envs(dataclasses.replace(saved, num_envs=1, vector_mode="sync"), video_dir)
@@ -488,8 +448,8 @@ def evaluate(args: Args) -> list[float]:
     returns, (next_obs, _) = [], envs.reset(seed=args.seed)
     with torch.inference_mode():
         while len(returns) < args.eval_episodes:
-            action = agent.actor_mean(torch.as_tensor(next_obs, device=device))  # the mean action
-            next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
+            action = agent.actor_mean(torch.as_tensor(next_obs))  # the mean action
+            next_obs, _, _, _, infos = envs.step(action.numpy())
             returns += [r for _, r, _ in finished_episodes(infos)]
     envs.close()
     mean, std = np.mean(returns), np.std(returns)
@@ -501,7 +461,6 @@ def evaluate(args: Args) -> list[float]:
 # TRY NOT TO MODIFY: run plumbing (flags, one-line errors, checkpoints and resume, logs)
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "ppo_continuous.py"  # written into checkpoints ("script") and checked when reading one
-ARGS = pydantic.TypeAdapter(Args)
 
 
 class UsageError(Exception):
@@ -528,9 +487,8 @@ def cli(argv: list[str] | None = None) -> None:
     0 only, under torchrun) and exit code 2."""
     try:
         main(parse_args(argv))
-    except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+    except (UsageError, gym.error.DependencyNotInstalled) as e:  # e.g. no moviepy for videos
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -559,15 +517,11 @@ def flag_error(flags: dict) -> str | None:
     each constraint beside its field, finite floats, exact types ("0.99" is no float), no unknown
     name; else the first error in one line, e.g. ``"--gamma: must be ..., got 1.5"``."""
     try:  # through JSON: pydantic's strict mode takes a dict for a dataclass only there
-        ARGS.validate_json(json.dumps(flags, default=str), strict=True)
-        return None
+        pydantic.TypeAdapter(Args).validate_json(json.dumps(flags, default=str), strict=True)
     except pydantic.ValidationError as e:
         err = e.errors()[0]
-    name = "--" + str(err["loc"][0]).replace("_", "-")
-    if err["type"] == "unexpected_keyword_argument":
-        return f"{name}: not a flag of this script"
-    message = re.sub(r"^\w+ should", "must", err["msg"])  # "Input should be ..."
-    return f"{name}: {message}, got {err['input']!r}"
+        message = re.sub(r"^\w+ should", "must", err["msg"])  # "Input should be ..."
+        return f"--{str(err['loc'][0]).replace('_', '-')}: {message}, got {err['input']!r}"
 
 
 def validate(args: Args) -> Args:
@@ -576,8 +530,6 @@ def validate(args: Args) -> Args:
     error = flag_error(dataclasses.asdict(args))
     check(error is None, str(error))
     check(None in (args.resume, args.eval_checkpoint), "--eval-checkpoint: not with --resume")
-    moviepy = not args.capture_video or importlib.util.find_spec("moviepy") is not None
-    check(moviepy, "--capture-video: needs moviepy; install it with: pip install moviepy")
     args.batch_size = args.num_envs * args.num_steps
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.num_iterations = args.total_timesteps // args.batch_size
@@ -586,11 +538,11 @@ def validate(args: Args) -> Args:
     check(args.minibatch_size >= 2, f"--num-minibatches: each minibatch needs at least 2 of {n}")
     if args.eval_checkpoint is None:
         check(args.num_iterations > 0, f"--total-timesteps: must be at least one rollout, {n}")
-        gib = 4 * 300 * args.batch_size / 2**30  # ~300 float32 per transition: storage, activations
-        if os.name == "posix":  # else no check
+        gib = 1200 * args.batch_size / 2**30  # a rollout takes at least ~300 float32 per step
+        if os.name == "posix":
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-            need = f"a rollout of {args.batch_size:,} steps needs ~{gib:,.1f} GiB of memory"
-            check(gib <= ram, f"--num-steps/--num-envs: {need}, this machine has {ram:.1f} GiB")
+            size = f"a rollout of {args.batch_size:,} steps needs ~{gib:,.1f} GiB of memory"
+            check(gib <= ram, f"--num-steps/--num-envs: {size}, this machine has {ram:.1f} GiB")
     return args
 
 
@@ -603,7 +555,7 @@ def open_run(args: Args) -> tuple[dict | None, Path, int, int]:
         check_writable(Path(args.runs_dir), "--runs-dir")
         name = f"{Path(args.env_id).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
         ckpt, run_dir = None, Path(args.runs_dir) / name
-        again = f"resume it with --resume {run_dir / 'checkpoint.pt'}, or pick another --exp-name"
+        again = "resume it with --resume, or pick another --exp-name"
         check(not (run_dir / "checkpoint.pt").exists(), f"{run_dir} holds a checkpoint: {again}")
     else:
         ckpt, run_dir = load_checkpoint(args.resume), Path(args.resume).resolve().parent
@@ -633,8 +585,7 @@ def load_checkpoint(path: str | Path, flag: str = "--resume") -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
-        why = f"{type(e).__name__}: {first_line(e)}"
-        raise UsageError(f"{flag}: cannot read checkpoint {path}: {why}") from None
+        raise UsageError(f"{flag}: cannot read checkpoint {path}: {first_line(e)}") from None
     where, saved = f"{flag}: {path}", ckpt.get("args") if isinstance(ckpt, dict) else None
     check(isinstance(saved, dict), f"{where} holds no flags; it is not a {SCRIPT} checkpoint")
     check(ckpt.get("script", SCRIPT) == SCRIPT, f"{where} was written by {ckpt.get('script')}")
@@ -663,11 +614,10 @@ def first_non_finite(obj, path: str = "") -> str | None:
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         found = (first_non_finite(v, f"{path}.{k}" if path else str(k)) for k, v in items)
         return next((p for p in found if p is not None), None)
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
-        return None if torch.isfinite(obj).all() else path
-    if isinstance(obj, np.ndarray | np.floating) and np.issubdtype(obj.dtype, np.inexact):
-        return None if np.isfinite(obj).all() else path
-    return None
+    if isinstance(obj, np.ndarray | np.floating) and obj.dtype.kind == "f":
+        obj = torch.from_numpy(np.asarray(obj))
+    floats = isinstance(obj, torch.Tensor) and obj.is_floating_point()
+    return path if floats and not torch.isfinite(obj).all() else None
 
 
 def check_finite(ckpt_path: Path, iteration: int, epoch: int, loss, grad_norm) -> None:
@@ -676,8 +626,7 @@ def check_finite(ckpt_path: Path, iteration: int, epoch: int, loss, grad_norm) -
     if not torch.isfinite(loss.detach() + grad_norm):
         where = f"at iteration {iteration}, epoch {epoch + 1} (the update was not applied)"
         kept = f"{ckpt_path} is intact" if ckpt_path.is_file() else "no checkpoint was written yet"
-        hint = "check --learning-rate (try a lower one) and --max-grad-norm"
-        raise UsageError(f"non-finite loss or gradient norm {where}; {hint}; {kept}")
+        raise UsageError(f"non-finite loss or gradient norm {where}; check --learning-rate; {kept}")
 
 
 def atomic_save(obj: dict, path: Path) -> None:
@@ -689,25 +638,23 @@ def atomic_save(obj: dict, path: Path) -> None:
     check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf); {kept}")
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         why = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
         raise UsageError(f"cannot write checkpoint {path}: {why}; {kept}") from None
 
 
-def checkpoint_dict(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:
-    """Everything a resumed run or an evaluation needs: networks, optimizer, counters, every RNG,
-    the normalisation statistics, the reward scaler's running return per env, the flags."""
-    rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+def run_state(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:
+    """Everything a resumed run or an evaluation needs: networks, optimizer, counters, the NumPy,
+    torch and CUDA RNGs, the normalisation statistics, the reward scaler's running return per env,
+    the flags."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state(), cuda=cuda)
     state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), rng=rng, script=SCRIPT)
     state |= dict(iteration=iteration, global_step=global_step, norm=get_norm_state(envs))
     running_return = np.array(envs.normalizers[1].accumulated_reward)
@@ -715,30 +662,22 @@ def checkpoint_dict(agent, optimizer, envs, args: Args, iteration: int, global_s
 
 
 def resume_from(ckpt: dict, optimizer, envs, args: Args):
-    """Continue a checked checkpoint's run (its networks already loaded); returns ``(first
-    iteration, global step, first observation)``. The learning rate is the flag's; the RNGs are
-    restored last.
-
-    The one limit: the simulator state is not saved, so the envs restart from a reset seeded with
-    ``--seed + global step`` (statistics frozen: the uninterrupted run had already counted the
-    observation of the autoreset step that ended the rollout). An episode in flight is dropped (its
-    steps were trained on; its return is never logged) and, on MuJoCo, the first episodes start
-    from other initial states. With no episode in flight and deterministic resets, the resumed run
-    equals the uninterrupted one bit for bit (tested).
-    """
+    """Continue a checked checkpoint's run (networks already loaded); returns ``(first iteration,
+    global step, first observation)``. Learning rate: the flag's; RNGs restored last. The one
+    limit: the simulator state is not saved, so the envs restart from a reset seeded with ``--seed
+    + global step`` (statistics frozen: the killed run counted the autoreset step's observation).
+    An episode in flight is dropped (trained on, its return never logged) and MuJoCo's first
+    episodes start elsewhere. With no episode in flight and deterministic resets, the resumed run
+    equals the uninterrupted one bit for bit (tested)."""
     optimizer.load_state_dict(ckpt["optimizer"])
-    for group in optimizer.param_groups:
-        group["lr"] = args.learning_rate
+    optimizer.param_groups[0]["lr"] = args.learning_rate  # the flag's, also with --no-anneal-lr
     set_norm_state(envs, ckpt["norm"], update=False)  # the reset must not move the statistics
     next_obs, _ = envs.reset(seed=args.seed + ckpt["global_step"])
-    for normalizer in envs.normalizers:
-        normalizer.update_running_mean = True
+    set_norm_state(envs, ckpt["norm"])
     envs.normalizers[1].accumulated_reward[:] = ckpt["running_return"]
-    random.setstate(ckpt["rng"]["python"])
     np.random.set_state(ckpt["rng"]["numpy"])
     torch.set_rng_state(ckpt["rng"]["torch"])
-    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])  # none without CUDA
     return ckpt["iteration"] + 1, ckpt["global_step"], next_obs
 
 
@@ -751,17 +690,8 @@ def make_writer(run_dir: Path, args: Args, purge_step: int | None) -> SummaryWri
     while purge_step is not None and seconds and int(time.time()) <= max(seconds):
         time.sleep(0.05)
     writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    flags = dataclasses.asdict(args)
-    rows = "\n".join(f"|{k}|{v}|" for k, v in flags.items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    (run_dir / "args.json").write_text(json.dumps(flags, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return writer
-
-
-def get_device(args: Args) -> torch.device:
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
-    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
 
 if __name__ == "__main__":
