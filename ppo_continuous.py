@@ -165,9 +165,10 @@ def ppo_loss(agent: Agent, minibatch, clip_coef, vf_coef, ent_coef, norm_adv=Tru
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
 
-    # core #10: overall loss with entropy bonus
+    # core #10: overall loss with entropy bonus (left out of the graph when its coef is 0: faster)
     entropy_loss = entropy.mean()
-    loss = pg_loss - ent_coef * entropy_loss + v_loss * vf_coef
+    loss = pg_loss + v_loss * vf_coef
+    loss = loss - ent_coef * entropy_loss if ent_coef else loss
 
     with torch.no_grad():  # core #12: debug variables
         k1, k3 = (-logratio).mean(), ((ratio - 1) - logratio).mean()  # estimates of KL(old || new)
@@ -366,12 +367,11 @@ def check_env_id(env_id: str) -> tuple[int, int]:
     cannot be made (with the cause: gymnasium reports any failed MuJoCo import as "MuJoCo is not
     installed"), has no ``Box`` action space or no flat observation."""
     try:
-        env = gym.make(env_id)
+        with gym.make(env_id) as env:
+            obs_space, act_space = env.observation_space, env.action_space
     except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
         cause = f" ({type(e.__cause__).__name__}: {first_line(e.__cause__)})" if e.__cause__ else ""
         raise UsageError(f"--env-id: cannot make {env_id!r}: {first_line(e)}{cause}") from None
-    obs_space, act_space = env.observation_space, env.action_space
-    env.close()
     ok = isinstance(act_space, gym.spaces.Box) and isinstance(obs_space, gym.spaces.Box)
     got = f"{env_id} has {type(act_space).__name__} actions, {obs_space} observations"
     needs = "Box actions (use a discrete-action PPO for others) and flat Box observations"
@@ -413,8 +413,8 @@ def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
 def finished_episodes(infos: dict) -> list[tuple[int, float, int]]:
     """Every episode that ended on this step, as ``(env_index, return, length)``, from gymnasium
     1.x's ``infos["episode"]``/``infos["_episode"]`` (raw rewards), all when several envs finish."""
-    ep, ended = infos.get("episode"), infos.get("_episode", ())
-    return [(int(i), float(ep["r"][i]), int(ep["l"][i])) for i in np.flatnonzero(ended)]
+    ended = np.flatnonzero(infos["_episode"]) if "_episode" in infos else ()  # () on most steps
+    return [(int(i), float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])) for i in ended]
 
 
 def get_norm_state(envs) -> dict:
@@ -653,8 +653,8 @@ def run_state(agent, optimizer, envs, args: Args, iteration: int, global_step: i
     """Everything a resumed run or an evaluation needs: networks, optimizer, counters, the NumPy,
     torch and CUDA RNGs, the normalisation statistics, the reward scaler's running return per env,
     the flags."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state(), cuda=cuda)
+    rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state())
+    rng["cuda"] = torch.cuda.get_rng_state_all()  # [] without CUDA
     state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), rng=rng, script=SCRIPT)
     state |= dict(iteration=iteration, global_step=global_step, norm=get_norm_state(envs))
     running_return = np.array(envs.normalizers[1].accumulated_reward)
