@@ -483,8 +483,8 @@ def main(args: Args | None = None):
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """:func:`main` on ``argv``; a UsageError ends with one ``error: ...`` line on stderr (by rank
-    0 only, under torchrun) and exit code 2."""
+    """:func:`main` on ``argv``; a UsageError, or a dependency gymnasium misses (moviepy for
+    --capture-video), ends with one ``error: ...`` line on stderr and exit code 2."""
     try:
         main(parse_args(argv))
     except (UsageError, gym.error.DependencyNotInstalled) as e:  # e.g. no moviepy for videos
@@ -677,12 +677,12 @@ def resume_from(ckpt: dict, optimizer, envs, args: Args):
     envs.normalizers[1].accumulated_reward[:] = ckpt["running_return"]
     np.random.set_state(ckpt["rng"]["numpy"])
     torch.set_rng_state(ckpt["rng"]["torch"])
-    torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])  # none without CUDA
+    torch.cuda.set_rng_state_all(ckpt["rng"].get("cuda", []))  # none without CUDA
     return ckpt["iteration"] + 1, ckpt["global_step"], next_obs
 
 
 def make_writer(run_dir: Path, args: Args, purge_step: int | None) -> SummaryWriter:
-    """A TensorBoard writer in ``run_dir`` with the flags as a table, and ``args.json`` beside it.
+    """A TensorBoard writer in ``run_dir``, and the flags in ``args.json`` beside it.
     ``purge_step`` (a resumed run's first step) drops what the killed run logged from it on;
     TensorBoard purges only what it read first, reading files in name order
     (``events.out.tfevents.<second>...``), so the new file is made in a later second."""
