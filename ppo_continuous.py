@@ -1,31 +1,25 @@
 """PPO for continuous control (MuJoCo) on gymnasium 1.x, read beside "The 37 Implementation
-Details of PPO" (Huang et al., ICLR blog track 2022): its 13 core details ("core #k") and 9
-continuous-action ones ("cont. #k"); GAE is Schulman et al. 2016 eq. 16, the clipped surrogate
-Schulman et al. 2017 eq. 7. CleanRL's ppo_continuous_action.py with its defaults, except:
-  * Normalisation uses gymnasium's vector-level wrappers (statistics shared by all envs, saved in
-    checkpoints, frozen by --eval-checkpoint), which need next-step autoreset: the step after an
-    episode ends only resets the env (action ignored, reward 0). It is stored but masked out of the
-    loss, and GAE never crosses it.
+Details of PPO" (Huang et al., ICLR blog track 2022): its 13 core ("core #k") and 9 continuous
+("cont. #k") details; GAE is Schulman et al. 2016 eq. 16, the clipped surrogate Schulman et al.
+2017 eq. 7. CleanRL's ppo_continuous_action.py with its defaults, except:
+  * gymnasium's vector-level normalisation (statistics shared by all envs, saved in checkpoints,
+    frozen by --eval-checkpoint) needs next-step autoreset: the step after an episode ends only
+    resets the env (reward 0); it is stored but masked out of the loss, and GAE never crosses it.
   * A time-limit truncation bootstraps from V(final observation), which that masked step holds
     (--no-bootstrap-truncation: a termination, as in CleanRL).
-  * The rollout samples with a NumPy copy of the actor (same function to float32 rounding, a sixth
-    of torch's cost per step); values and log-probs come from one batched pass after it.
+  * The rollout samples with a NumPy copy of the actor (a sixth of torch's cost per step);
+    values and log-probs come from one batched pass after it.
   * Minibatches hold at least 2 real transitions (with 1, CleanRL's advantage std is NaN).
-  * A non-finite loss, gradient norm or weight stops the run before it is applied or saved.
-  * Atomic checkpoints; --resume continues a run exactly, but for one limit (see resume_from).
+  * Nothing non-finite is applied or saved; checkpoints are atomic; --resume continues a run
+    exactly, but for one limit (see resume_from).
 Usage: python ppo_continuous.py --env-id Hopper-v5 --seed 1, then --resume or --eval-checkpoint
-runs/<run>/checkpoint.pt; tensorboard --logdir runs.
-"""
-
-from __future__ import annotations
+runs/<run>/checkpoint.pt; tensorboard --logdir runs."""
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import os
-import random
 import re
 import sys
 import tempfile
@@ -41,10 +35,7 @@ import torch.nn as nn
 import tyro
 from annotated_types import Ge, Gt, Interval
 from gymnasium.wrappers import vector as vector_wrappers
-from gymnasium.wrappers.utils import RunningMeanStd
-from torch.distributions.normal import Normal
 from torch.utils.tensorboard import SummaryWriter
-from tqdm import tqdm
 
 # a name that can be part of a path: no '/', backslash or NUL
 PathPart = Annotated[str, pydantic.StringConstraints(pattern=r"^[^/\\\x00]+$")]
@@ -117,8 +108,7 @@ def mlp(in_dim: int, out_dim: int, std: float) -> nn.Sequential:
 
 class Agent(nn.Module):
     """Gaussian policy with state-independent log-std (cont. #1-#3) and a separate critic.
-
-    ``actor_mean(x)``: ``(B, obs_dim) -> (B, act_dim)``; ``get_value(x)``: ``(B, obs_dim) -> (B,)``.
+    ``actor_mean(x)``: ``(B, obs_dim) -> (B, act_dim)``; ``critic(x)``: ``(B, obs_dim) -> (B, 1)``.
     """
 
     def __init__(self, obs_dim: int, act_dim: int):
@@ -127,60 +117,33 @@ class Agent(nn.Module):
         self.actor_mean = mlp(obs_dim, act_dim, std=0.01)
         self.actor_logstd = nn.Parameter(torch.zeros(1, act_dim))  # cont. #2
 
-    def get_value(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(x).squeeze(-1)
-
     def numpy_actor_mean(self):
-        """A NumPy copy of ``actor_mean`` as it is now: ``(B, obs_dim) -> (B, act_dim)``, float32.
-
-        Same function to float32 rounding (tested). The rollout calls it once per env step, where a
-        one-row torch forward costs ~90 us of overhead and NumPy ~15 us. Take a fresh copy after
-        every update.
-        """
+        """A NumPy copy of ``actor_mean`` as it is now, float32, the same function to rounding
+        (tested): a one-row torch forward costs ~90 us per env step, NumPy ~15 us."""
         params = [p.detach().cpu().numpy() for p in self.actor_mean.parameters()]
         w1, b1, w2, b2, w3, b3 = [p.T.copy() if p.ndim == 2 else p.copy() for p in params]
         return lambda x: np.tanh(np.tanh(x @ w1 + b1) @ w2 + b2) @ w3 + b3
 
     def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor):
-        """Log-prob ``(B,)`` of ``action`` ``(B, act_dim)``, entropy ``(B,)`` and value ``(B,)``.
-
-        Action dimensions are independent: log-probs and entropies are summed over them (cont. #3).
-        """
+        """Log-prob ``(B,)`` of ``action`` ``(B, act_dim)``, entropy ``(B,)`` and value ``(B,)``;
+        action dimensions are independent, their log-probs and entropies summed (cont. #3)."""
         action_mean = self.actor_mean(x)
         std = self.actor_logstd.expand_as(action_mean).exp()
-        probs = Normal(action_mean, std, validate_args=False)
-        return probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.get_value(x)
+        probs = torch.distributions.Normal(action_mean, std, validate_args=False)
+        return probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.critic(x).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------------------------
 # The PPO loss of one minibatch (core #7-#10, #12)
 # ----------------------------------------------------------------------------------------------
-def ppo_loss(
-    agent: Agent,
-    obs: torch.Tensor,
-    actions: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    returns: torch.Tensor,
-    old_values: torch.Tensor,
-    clip_coef: float,
-    vf_coef: float,
-    ent_coef: float,
-    norm_adv: bool = True,
-    clip_vloss: bool = True,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped-surrogate PPO loss of one minibatch of ``B`` transitions, to be minimised:
-    ``L_clip + vf_coef * L_V - ent_coef * H`` (Schulman et al. 2017 eq. 7 and 9, negated).
-
-    ``obs`` ``(B, obs_dim)`` normalised; ``actions`` ``(B, act_dim)`` unclipped; ``old_logprobs``,
-    ``old_values`` ``(B,)``: log pi_old(a|s) and V_old(s) from the rollout; ``advantages`` ``(B,)``
-    from GAE, ``returns = advantages + old_values``; ``clip_coef`` clips the ratio and the value.
-    Returns ``(loss, stats)``: detached scalars ``policy_loss``, ``value_loss``, ``entropy``,
-    ``old_approx_kl``, ``approx_kl`` (k1 and k3 estimates of KL(pi_old || pi), core #12) and
-    ``clipfrac`` (share of ratios outside ``1 +- clip_coef``). Raises ValueError below 2
-    transitions with ``norm_adv`` (no std), or with none."""
-    if advantages.shape[0] < (2 if norm_adv else 1):
-        raise ValueError(f"ppo_loss: a minibatch needs at least {2 if norm_adv else 1} transitions")
+def ppo_loss(agent: Agent, minibatch, clip_coef, vf_coef, ent_coef, norm_adv=True, clip_vloss=True):
+    """``L_clip + vf_coef * L_V - ent_coef * H`` of ``B`` transitions, to be minimised (Schulman et
+    al. 2017 eq. 7 and 9, negated). ``minibatch``: ``obs`` ``(B, obs_dim)`` normalised, ``actions``
+    ``(B, act_dim)`` unclipped, then ``(B,)``: ``old_logprobs``, ``advantages`` (GAE), ``returns =
+    advantages + old_values``, ``old_values``. Returns ``(loss, stats)``: detached ``policy_loss``,
+    ``value_loss``, ``entropy``, ``old_approx_kl``, ``approx_kl`` (k1, k3 estimates of KL(pi_old ||
+    pi)), ``clipfrac``. With ``norm_adv``, 1 transition has no std: :func:`minibatches` gives 2+."""
+    obs, actions, old_logprobs, advantages, returns, old_values = minibatch
     newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
     logratio = newlogprob - old_logprobs
     ratio = logratio.exp()
@@ -202,41 +165,27 @@ def ppo_loss(
     else:
         v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
 
-    # core #10: overall loss with entropy bonus (left out of the graph when its coef is 0)
+    # core #10: overall loss with entropy bonus (left out of the graph when its coef is 0: faster)
     entropy_loss = entropy.mean()
     loss = pg_loss + v_loss * vf_coef
-    if ent_coef != 0:
-        loss = loss - ent_coef * entropy_loss
+    loss = loss - ent_coef * entropy_loss if ent_coef else loss
 
     with torch.no_grad():  # core #12: debug variables
-        old_approx_kl, approx_kl = (-logratio).mean(), ((ratio - 1) - logratio).mean()
+        k1, k3 = (-logratio).mean(), ((ratio - 1) - logratio).mean()  # estimates of KL(old || new)
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
-    stats = dict(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), clipfrac=clipfrac)
-    return loss, stats | dict(
-        entropy=entropy_loss.detach(), old_approx_kl=old_approx_kl, approx_kl=approx_kl
-    )
+    stats = dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy_loss, clipfrac=clipfrac)
+    return loss, {k: v.detach() for k, v in stats.items()} | dict(old_approx_kl=k1, approx_kl=k3)
 
 
 # ----------------------------------------------------------------------------------------------
-# GAE (core #5), minibatches (core #6), explained variance (core #12)
+# GAE (core #5) and minibatches (core #6)
 # ----------------------------------------------------------------------------------------------
 def compute_gae(rewards, values, next_values, terminations, dones, gamma: float, gae_lambda: float):
-    """Generalized advantage estimation, Schulman et al. 2016 eq. 16, with episode boundaries.
-
-    All inputs are float arrays of shape ``(T, N)`` (steps, envs):
-      ``rewards[t]`` reward of step t; ``values[t]`` V(s_t); ``next_values[t]`` V(s_{t+1}) where
-      s_{t+1} is the observation the step returned (the final observation when the episode ended);
-      ``terminations[t]`` 1 where s_{t+1} is terminal, so nothing is bootstrapped (pass
-      terminated-or-truncated here to treat truncation as termination, as CleanRL does);
-      ``dones[t]`` 1 where the episode ended after step t (terminated or truncated), which stops
-      the recursion ``A_t = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}`` with
-      ``delta_t = r_t + gamma * (1 - term_t) * V(s_{t+1}) - V(s_t)``.
-    Returns ``(advantages, returns)``, shape ``(T, N)``, dtype of ``rewards``, ``returns =
-    advantages + values``. NumPy, not torch: the T-step loop costs ~1 us per op instead of ~5.
-    Raises ``ValueError`` if the shapes differ.
-    """
-    if not rewards.shape == values.shape == next_values.shape == terminations.shape == dones.shape:
-        raise ValueError("compute_gae: rewards, values, next_values, terminations, dones differ")
+    """Generalized advantage estimation (Schulman et al. 2016 eq. 16) over NumPy arrays ``(T, N)``:
+    ``delta_t = r_t + gamma * (1 - term_t) * V(s_{t+1}) - V(s_t)``, ``A_t = delta_t + gamma *
+    lambda * (1 - done_t) * A_{t+1}``; ``next_values[t]``: V of the observation step t returned (the
+    final one at an episode's end); ``terminations``: 1 where it is terminal (``dones``: CleanRL's
+    rule); ``dones``: 1 where the episode ended. Returns ``(advantages, advantages + values)``."""
     advantages = np.zeros_like(rewards)
     lastgaelam = np.zeros_like(rewards[0])
     for t in reversed(range(rewards.shape[0])):
@@ -247,63 +196,52 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma: float,
 
 
 def minibatches(inds: torch.Tensor, num_minibatches: int) -> tuple[torch.Tensor, ...]:
-    """Split the shuffled indices ``(B,)`` of a rollout's real transitions into minibatches
-    (core #6): ``num_minibatches`` near-equal parts, or fewer when ``B < 2 * num_minibatches``, so
-    that each holds at least 2 (core #7's advantage std needs them); ``()`` when ``B < 2``."""
+    """The shuffled indices ``(B,)`` of real transitions in ``num_minibatches`` near-equal parts
+    (core #6), fewer when ``B < 2 * num_minibatches``: each holds at least 2 for core #7's std."""
     return torch.tensor_split(inds, min(num_minibatches, len(inds) // 2)) if len(inds) >= 2 else ()
-
-
-def explained_variance(y_pred: np.ndarray, y_true: np.ndarray) -> float:
-    """1 - Var[y_true - y_pred] / Var[y_true] over 1-D arrays; NaN when Var[y_true] is 0."""
-    var_y = np.var(y_true)
-    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
 
 
 # ----------------------------------------------------------------------------------------------
 # Training: the loop of the paper's algorithm box
 # ----------------------------------------------------------------------------------------------
 def train(args: Args) -> dict:
-    """Train PPO; returns the run's summary (:func:`write_summary`). Raises UsageError: a bad
-    ``--runs-dir``, ``--resume`` or ``--env-id`` (before any vector env is made); a non-finite loss
-    or gradient norm (before that update is applied) or weight (before anything is saved)."""
+    """Train PPO; returns ``{run_dir, global_step, sps, cpu_sps, episodes: [(step, return, length)],
+    masked_steps, final_return_last10}``, also written to ``{run_dir}/summary.json``. Raises
+    UsageError: bad input (before any vector env is made), a non-finite update (not applied)."""
     ckpt, run_dir, obs_dim, act_dim = open_run(args)  # flags, files and env checked, none made
     ckpt_path = run_dir / "checkpoint.pt"
-    video_dir = check_video(args.capture_video, args.env_id, run_dir / "videos")
 
     # TRY NOT TO MODIFY: seeding
-    random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
-    device = get_device(args)
+    torch.set_num_threads(args.num_threads or torch.get_num_threads())
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
-    # env setup (core #1: vectorized architecture)
-    envs = make_envs(args, video_dir)
+    # core #13: separate networks; core #3: Adam with eps 1e-5, fused (one kernel, same update)
     agent = Agent(obs_dim, act_dim).to(device)
+    if ckpt is not None:
+        load_networks(agent, ckpt, args.resume, "--resume", args.env_id)
     loss_fn = torch.compile(ppo_loss) if args.compile else ppo_loss
-    # core #3: Adam with eps 1e-5; fused (one kernel for all parameters), same update rule
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    envs = make_envs(args, str(run_dir / "videos") if args.capture_video else None)  # core #1
 
     # ALGO Logic: storage setup, shape (num_steps, num_envs, ...). The rollout fills NumPy arrays
     # (a NumPy copy costs ~1 us, a torch one ~5 us); they become tensors once per rollout.
     obs = np.zeros((args.num_steps, args.num_envs, obs_dim), dtype=np.float32)
     actions = np.zeros((args.num_steps, args.num_envs, act_dim), dtype=np.float32)
-    rewards = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
-    terminations = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
-    dones = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)
-    valid = np.zeros((args.num_steps, args.num_envs), dtype=np.float32)  # 0: autoreset step
+    # four (num_steps, num_envs) arrays; valid is 0 at autoreset steps
+    rewards, terminations, dones, valid = np.zeros((4, args.num_steps, args.num_envs), np.float32)
 
     if ckpt is None:
-        start_iteration, global_step = 1, 0
-        next_obs, _ = envs.reset(seed=args.seed)
+        start_iteration, global_step, (next_obs, _) = 1, 0, envs.reset(seed=args.seed)
     else:  # in-flight episodes restart from a seeded reset (see resume_from)
-        start_iteration, global_step, next_obs = resume_from(ckpt, agent, optimizer, envs, args)
+        start_iteration, global_step, next_obs = resume_from(ckpt, optimizer, envs, args)
     next_valid = np.ones(args.num_envs, dtype=np.float32)
     writer = make_writer(run_dir, args, purge_step=None if ckpt is None else global_step + 1)
     episodes, masked_steps = [], 0  # (global step, return, length) of each episode; autoreset steps
     start = (time.time(), time.process_time(), global_step)  # for the speeds
     save_every = args.save_every or args.num_iterations  # 0: only at the end
-    pbar = tqdm(total=args.num_iterations * args.batch_size, initial=global_step, unit="step")
 
     try:
         for iteration in range(start_iteration, args.num_iterations + 1):
@@ -314,10 +252,8 @@ def train(args: Args) -> dict:
 
             # ROLLOUT: a ~ N(mu(s), sigma) (cont. #1) sampled as mu(s) + sigma * noise, with mu from
             # a NumPy copy of the actor; values and log-probs come from one batched pass after it.
-            rollout_start = time.time()
-            with torch.no_grad():
-                noise = torch.randn((args.num_steps, args.num_envs, act_dim), device=device)
-                scaled_noise = (agent.actor_logstd.exp() * noise).cpu().numpy()
+            noise = torch.randn((args.num_steps, args.num_envs, act_dim), device=device)
+            scaled_noise = (agent.actor_logstd.detach().exp() * noise).cpu().numpy()
             actor_mean = agent.numpy_actor_mean()
             for step in range(args.num_steps):
                 global_step += args.num_envs
@@ -327,8 +263,7 @@ def train(args: Args) -> dict:
                 actions[step] = action  # stored unclipped; the env sees it clipped (cont. #5)
                 next_obs, reward, term, trunc, infos = envs.step(action)
                 rewards[step], terminations[step] = reward, term
-                done = np.logical_or(term, trunc)
-                dones[step] = done
+                dones[step] = done = np.logical_or(term, trunc)
                 # gymnasium 1.x next-step autoreset: after an episode ends, the next step of that
                 # env only resets it (action ignored, reward 0); it is stored, never trained on.
                 next_valid = 1.0 - done
@@ -336,7 +271,6 @@ def train(args: Args) -> dict:
                     episodes.append((global_step, ep_return, ep_length))
                     writer.add_scalar("charts/episodic_return", ep_return, global_step)
                     writer.add_scalar("charts/episodic_length", ep_length, global_step)
-            rollout_time = time.time() - rollout_start
 
             # values and old log-probs of the whole rollout in one batched pass
             with torch.no_grad():
@@ -344,10 +278,10 @@ def train(args: Args) -> dict:
                 b_actions = torch.from_numpy(actions).to(device).reshape(-1, act_dim)
                 b_logprobs, _, b_values = agent.get_action_and_value(b_obs, b_actions)
                 values = b_values.cpu().numpy().reshape(args.num_steps, args.num_envs)
-                last_value = agent.get_value(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+                last_value = agent.critic(torch.from_numpy(next_obs).to(device)).cpu().numpy()
             # V(s_{t+1}): the next stored observation is the one the step returned (the final one
-            # when the episode ended, thanks to next-step autoreset); the last one is next_obs.
-            next_values = np.concatenate([values[1:], last_value[None]])
+            # when the episode ended, thanks to next-step autoreset); the last one is next_obs'.
+            next_values = np.concatenate([values[1:], last_value.T])  # last_value: (num_envs, 1)
 
             # GAE (core #5, Schulman et al. 2016 eq. 16). A time-limit truncation bootstraps from
             # V(final obs) unless --no-bootstrap-truncation, which treats it as a termination.
@@ -369,78 +303,57 @@ def train(args: Args) -> dict:
             for epoch in range(args.update_epochs):
                 perm = b_valid_inds[torch.randperm(len(b_valid_inds), device=device)]
                 for mb_inds in minibatches(perm, args.num_minibatches):
-                    loss, stats = loss_fn(agent, *(x[mb_inds] for x in batch), *coefs)
+                    loss, stats = loss_fn(agent, [x[mb_inds] for x in batch], *coefs)
                     clipfracs.append(stats["clipfrac"])
                     optimizer.zero_grad()
                     loss.backward()
                     # core #11: global gradient-norm clipping; nothing non-finite is applied
                     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    check_finite(ckpt_path, iteration, epoch, loss=loss, gradient_norm=grad_norm)
+                    check_finite(ckpt_path, iteration, epoch, loss, grad_norm)
                     optimizer.step()
                 if args.target_kl is not None and stats and stats["approx_kl"] > args.target_kl:
                     break
-            check_finite(
-                ckpt_path, iteration, weights=nn.utils.parameters_to_vector(agent.parameters())
-            )
 
             # TRY NOT TO MODIFY: record rewards and debug variables for plotting purposes
-            sps = int((global_step - start[2]) / (time.time() - start[0]))
+            if stats:  # the last minibatch's, but clipfrac: the mean over all minibatches
+                stats["clipfrac"] = torch.stack(clipfracs).mean()
+            scalars = {f"losses/{k}": v.item() for k, v in stats.items()}
             y_pred, y_true = (x[b_valid_inds].cpu().numpy() for x in (b_values, b_returns))
-            scalars = {f"losses/{k}": v.item() for k, v in stats.items() if k != "clipfrac"}
-            if clipfracs:  # the others are the last minibatch's
-                scalars["losses/clipfrac"] = torch.stack(clipfracs).mean().item()
-            scalars |= {
-                "losses/explained_variance": explained_variance(y_pred, y_true),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "charts/SPS": sps,
-                "perf/rollout_seconds": rollout_time,
-                "perf/iteration_seconds": time.time() - rollout_start,
-            }
+            var_y = np.var(y_true)  # explained variance, NaN when the returns do not vary
+            explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+            scalars["losses/explained_variance"] = float(explained_var)
+            scalars["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
+            scalars["charts/SPS"] = sps = int((global_step - start[2]) / (time.time() - start[0]))
             for tag, value in scalars.items():
                 writer.add_scalar(tag, value, global_step)
-            pbar.update(args.batch_size)
-            if episodes:
-                pbar.set_postfix(ret=f"{episodes[-1][1]:.1f}", sps=sps, refresh=False)
+            print(
+                f"step {global_step}: {sps} SPS, last return", episodes[-1][1] if episodes else ""
+            )
 
             if iteration % save_every == 0 or iteration == args.num_iterations:
-                state = checkpoint_dict(agent, optimizer, envs, args, iteration, global_step)
+                state = run_state(agent, optimizer, envs, args, iteration, global_step)
                 atomic_save(state, ckpt_path)
-    finally:  # also on an error: the progress bar ends its line, the logs reach the disk
-        pbar.close()
+    finally:  # also on an error: the logs reach the disk
         envs.close()
         writer.close()
-    return write_summary(run_dir, args, episodes, masked_steps, global_step, start)
 
-
-def write_summary(run_dir, args, episodes, masked_steps, global_step, start) -> dict:
-    """``{"run_dir", "global_step", "sps", "cpu_sps", "episodes": [(step, return, length)],
-    "masked_steps"}`` (autoreset transitions left out of the updates), also written with the mean
-    return of the last 10 episodes to ``{run_dir}/summary.json``. Speeds count the steps since
-    ``start = (time, CPU time, step)``; ``cpu_sps`` per second of this process's CPU time."""
-    steps = global_step - start[2]
-    sps = steps / max(time.time() - start[0], 1e-9)
-    cpu_sps = steps / max(time.process_time() - start[1], 1e-9)
-    summary = dict(run_dir=str(run_dir), global_step=global_step, sps=sps, episodes=episodes)
-    summary |= dict(masked_steps=masked_steps, cpu_sps=cpu_sps)
-    last = [r for _, r, _ in episodes[-10:]]
+    # the summary (also for benchmarks/ppo_continuous_bench.py); speeds per wall and CPU second
+    steps, last = global_step - start[2], [r for _, r, _ in episodes[-10:]]
+    sps, cpu_sps = steps / (time.time() - start[0]), steps / (time.process_time() - start[1])
     final = float(np.mean(last)) if last else None
-    (run_dir / "summary.json").write_text(json.dumps({**summary, "final_return_last10": final}))
-    if last:
-        print(
-            f"{args.env_id}: {global_step} steps, {sps:.0f} steps/s, mean return of the last "
-            f"{len(last)} episodes {final:.1f}"
-        )
-    print(f"checkpoint: {run_dir / 'checkpoint.pt'}")
+    summary = dict(run_dir=str(run_dir), global_step=global_step, sps=sps, cpu_sps=cpu_sps)
+    summary |= dict(episodes=episodes, masked_steps=masked_steps, final_return_last10=final)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    print(f"{args.env_id}: {global_step} steps at {sps:.0f} SPS; checkpoint: {ckpt_path}")
     return summary
 
 
 # ----------------------------------------------------------------------------------------------
 # TRY NOT TO MODIFY: environment (gymnasium's vector-level wrappers) and evaluation
 # ----------------------------------------------------------------------------------------------
-class FastRunningMeanStd(RunningMeanStd):
-    """gymnasium's ``RunningMeanStd``, bit for bit, with a shortcut for a batch of one row: mean
-    ``x[0]`` and variance 0 (what ``np.mean``/``np.var`` give) through the same update, skipping
-    ~50 us of NumPy reductions per step with ``--num-envs 1``."""
+class FastRunningMeanStd(gym.wrappers.utils.RunningMeanStd):
+    """gymnasium's ``RunningMeanStd``, bit for bit, with a shortcut for a batch of one row (mean
+    ``x[0]``, variance 0) that skips ~50 us of NumPy reductions per step with ``--num-envs 1``."""
 
     def update(self, x: np.ndarray) -> None:
         if x.shape[0] == 1:
@@ -450,44 +363,38 @@ class FastRunningMeanStd(RunningMeanStd):
 
 
 def check_env_id(env_id: str) -> tuple[int, int]:
-    """Make ``env_id`` once to read its spaces; returns ``(obs_dim, act_dim)``. Raises UsageError:
-    it cannot be made (with the cause: gymnasium reports any failed MuJoCo import as "MuJoCo is not
-    installed"), its action space is no ``Box``, or its observation is not flat."""
+    """Make ``env_id`` once to read its spaces; returns ``(obs_dim, act_dim)``. Refuses an env that
+    cannot be made (with the cause: gymnasium reports any failed MuJoCo import as "MuJoCo is not
+    installed"), has no ``Box`` action space or no flat observation."""
     try:
-        env = gym.make(env_id)
+        with gym.make(env_id) as env:
+            obs_space, act_space = env.observation_space, env.action_space
     except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
         cause = f" ({type(e.__cause__).__name__}: {first_line(e.__cause__)})" if e.__cause__ else ""
         raise UsageError(f"--env-id: cannot make {env_id!r}: {first_line(e)}{cause}") from None
-    obs_space, act_space = env.observation_space, env.action_space
-    env.close()
-    box = "this script needs a continuous (Box) one (use a discrete-action PPO for it)"
-    discrete = f"--env-id: {env_id} has a {type(act_space).__name__} action space; {box}"
-    check(isinstance(act_space, gym.spaces.Box), discrete)
-    flat = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
-    check(flat, f"--env-id: {env_id} needs a flat Box observation space, got {obs_space}")
+    ok = isinstance(act_space, gym.spaces.Box) and isinstance(obs_space, gym.spaces.Box)
+    got = f"{env_id} has {type(act_space).__name__} actions, {obs_space} observations"
+    needs = "Box actions (use a discrete-action PPO for others) and flat Box observations"
+    check(ok and len(obs_space.shape) == 1, f"--env-id: {got}; this script needs {needs}")
     return int(obs_space.shape[0]), int(np.prod(act_space.shape))
 
 
 def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
-    """``args.num_envs`` envs of ``args.env_id`` with the 37 details' wrappers, gymnasium's own,
-    at the vector level. Inner to outer: RecordEpisodeStatistics (raw returns, core #12), clip the
-    action the env sees (cont. #5), NormalizeObservation (cont. #6), clip it (cont. #7),
-    NormalizeReward by the std of the discounted return (cont. #8), clip it (cont. #9). Next-step
-    autoreset, which the vector NormalizeObservation requires. Observations: float32 ``(num_envs,
-    obs_dim)``; ``envs.normalizers``: the two normalisers; ``video_dir`` records env 0."""
+    """``args.num_envs`` envs of ``args.env_id`` with gymnasium's vector-level wrappers, inner to
+    outer: RecordEpisodeStatistics (raw returns, core #12), clip the action the env sees (cont.
+    #5), NormalizeObservation (cont. #6), clip it (cont. #7), NormalizeReward by the std of the
+    discounted return (cont. #8), clip it (cont. #9); next-step autoreset. ``envs.normalizers``:
+    the two normalisers; ``video_dir`` records env 0."""
     env_id, obs_clip, reward_clip = args.env_id, args.obs_clip, args.reward_clip
-
-    def make(i: int):
-        if video_dir is None or i > 0:
-            return lambda: gym.make(env_id)
-        return lambda: gym.wrappers.RecordVideo(
-            gym.make(env_id, render_mode="rgb_array"), video_dir
-        )
-
+    env_fns = [lambda: gym.make(env_id)] * args.num_envs
+    if video_dir is not None:  # env 0 records; without a display, MuJoCo renders through EGL
+        if sys.platform == "linux" and not os.getenv("DISPLAY"):
+            os.environ.setdefault("MUJOCO_GL", "egl")
+        rgb = dict(render_mode="rgb_array")
+        env_fns[0] = lambda: gym.wrappers.RecordVideo(gym.make(env_id, **rgb), video_dir)
     vec_cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
     # copy=False: NormalizeObservation below returns a fresh array every step anyway
-    next_step = gym.vector.AutoresetMode.NEXT_STEP
-    envs = vec_cls([make(i) for i in range(args.num_envs)], copy=False, autoreset_mode=next_step)
+    envs = vec_cls(env_fns, copy=False, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
     envs = vector_wrappers.RecordEpisodeStatistics(envs)
     # cont. #5: what gymnasium's vector ClipAction does, without its per-env Python loop
     low, high = envs.single_action_space.low, envs.single_action_space.high
@@ -506,75 +413,54 @@ def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
 def finished_episodes(infos: dict) -> list[tuple[int, float, int]]:
     """Every episode that ended on this step, as ``(env_index, return, length)``, from gymnasium
     1.x's ``infos["episode"]``/``infos["_episode"]`` (raw rewards), all when several envs finish."""
-    if "_episode" not in infos:
-        return []
-    ep = infos["episode"]
-    return [(int(i), float(ep["r"][i]), int(ep["l"][i])) for i in np.flatnonzero(infos["_episode"])]
+    ended = np.flatnonzero(infos["_episode"]) if "_episode" in infos else ()  # () on most steps
+    return [(int(i), float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])) for i in ended]
 
 
 def get_norm_state(envs) -> dict:
-    """Copies of the normalisation statistics: ``obs_mean``, ``obs_var`` ``(obs_dim,)`` and
-    ``obs_count`` (cont. #6); ``ret_mean``, ``ret_var`` and ``ret_count``, scalars, of the
-    discounted return whose std scales the rewards (cont. #8)."""
+    """Copies of the statistics: ``obs_mean``, ``obs_var`` ``(obs_dim,)``, ``obs_count`` (cont.
+    #6); scalars ``ret_*`` of the discounted return whose std scales the rewards (cont. #8)."""
     obs, ret = envs.normalizers[0].obs_rms, envs.normalizers[1].return_rms
-    return {
-        "obs_mean": np.array(obs.mean),
-        "obs_var": np.array(obs.var),
-        "obs_count": obs.count,
-        "ret_mean": np.array(ret.mean),
-        "ret_var": np.array(ret.var),
-        "ret_count": ret.count,
-    }
+    state = dict(obs_mean=np.array(obs.mean), obs_var=np.array(obs.var), obs_count=obs.count)
+    return state | dict(ret_mean=np.array(ret.mean), ret_var=np.array(ret.var), ret_count=ret.count)
 
 
 def set_norm_state(envs, state: dict, update: bool = True) -> None:
     """Restore what :func:`get_norm_state` returned, bit for bit; ``update=False`` freezes both
-    normalisers (gymnasium's ``update_running_mean``), as for evaluation. Raises UsageError when
-    the statistics do not fit the env's observations."""
-    obs, ret = envs.normalizers[0].obs_rms, envs.normalizers[1].return_rms
-    shape, fits = np.shape(state["obs_mean"]), f"observations of shape {obs.mean.shape}"
-    check(shape == obs.mean.shape, f"checkpoint: statistics of shape {shape} do not fit {fits}")
-    for rms, key in ((obs, "obs"), (ret, "ret")):
+    normalisers (gymnasium's ``update_running_mean``), as for evaluation."""
+    for normalizer, key in zip(envs.normalizers, ("obs", "ret"), strict=True):
+        rms = normalizer.obs_rms if key == "obs" else normalizer.return_rms
         rms.mean, rms.var = np.array(state[f"{key}_mean"]), np.array(state[f"{key}_var"])
-        rms.count = state[f"{key}_count"]
-    for normalizer in envs.normalizers:
-        normalizer.update_running_mean = update
+        rms.count, normalizer.update_running_mean = state[f"{key}_count"], update
 
 
 def evaluate(args: Args) -> list[float]:
     """Run ``--eval-episodes`` episodes of the checkpoint's mean action with frozen normalisation
-    statistics; prints and returns the raw episodic returns. Raises UsageError: an unreadable
-    checkpoint, another script's, or one that does not fit its env."""
+    statistics; prints and returns the raw episodic returns."""
     path = args.eval_checkpoint
     ckpt = load_checkpoint(path, "--eval-checkpoint")
     saved = Args(**ckpt["args"])  # the flags of the run that wrote it (its env, discount, clips)
-    obs_dim, act_dim = check_env_id(saved.env_id)
-    check_checkpoint_fits(ckpt, path, "--eval-checkpoint", saved.env_id, obs_dim, act_dim)
-    video_dir = check_video(args.capture_video, saved.env_id, Path(path).parent / "videos_eval")
-    device = get_device(args)
+    agent = Agent(*check_env_id(saved.env_id))  # on the CPU: one row per step
+    load_networks(agent, ckpt, path, "--eval-checkpoint", saved.env_id)
+    video_dir = str(Path(path).parent / "videos_eval") if args.capture_video else None
     envs = make_envs(dataclasses.replace(saved, num_envs=1, vector_mode="sync"), video_dir)
     set_norm_state(envs, ckpt["norm"], update=False)
-    agent = Agent(obs_dim, act_dim).to(device)
-    agent.load_state_dict(ckpt["agent"])
-    returns: list[float] = []
-    next_obs, _ = envs.reset(seed=args.seed)
+    returns, (next_obs, _) = [], envs.reset(seed=args.seed)
     with torch.inference_mode():
         while len(returns) < args.eval_episodes:
-            action = agent.actor_mean(torch.as_tensor(next_obs, device=device))  # the mean action
-            next_obs, _, _, _, infos = envs.step(action.cpu().numpy())
+            action = agent.actor_mean(torch.as_tensor(next_obs))  # the mean action
+            next_obs, _, _, _, infos = envs.step(action.numpy())
             returns += [r for _, r, _ in finished_episodes(infos)]
     envs.close()
-    returns = returns[: args.eval_episodes]
     mean, std = np.mean(returns), np.std(returns)
     print(f"eval {saved.env_id}: {len(returns)} episodes, return {mean:.1f} +- {std:.1f}")
     return returns
 
 
 # ----------------------------------------------------------------------------------------------
-# TRY NOT TO MODIFY: run plumbing (flags, one-line errors, checkpoints and resume, logs, video)
+# TRY NOT TO MODIFY: run plumbing (flags, one-line errors, checkpoints and resume, logs)
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "ppo_continuous.py"  # written into checkpoints ("script") and checked when reading one
-ARGS = pydantic.TypeAdapter(Args)
 
 
 class UsageError(Exception):
@@ -597,17 +483,13 @@ def main(args: Args | None = None):
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """:func:`main` on ``argv``; a UsageError ends with one ``error: ...`` line on stderr (by rank
-    0 only, under torchrun) and exit code 2; Ctrl-C, "interrupted" and exit code 130."""
+    """:func:`main` on ``argv``; a UsageError, or a dependency gymnasium misses (moviepy for
+    --capture-video), ends with one ``error: ...`` line on stderr and exit code 2."""
     try:
         main(parse_args(argv))
-    except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+    except (UsageError, gym.error.DependencyNotInstalled) as e:  # e.g. no moviepy for videos
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
 
 
 def parse_args(argv: list[str] | None = None, default: Args | None = None) -> Args:
@@ -631,19 +513,15 @@ def parse_args(argv: list[str] | None = None, default: Args | None = None) -> Ar
 
 
 def flag_error(flags: dict) -> str | None:
-    """None when ``flags`` (name -> value, as ``dataclasses.asdict`` or a checkpoint holds them) fit
-    ``Args``: each constraint beside its field, finite floats, exact types ("0.99" is no float), no
-    unknown name; else the first error in one line, e.g. ``"--gamma: must be ..., got 1.5"``."""
+    """None when ``flags`` (as ``dataclasses.asdict`` or a checkpoint holds them) fit ``Args``:
+    each constraint beside its field, finite floats, exact types ("0.99" is no float), no unknown
+    name; else the first error in one line, e.g. ``"--gamma: must be ..., got 1.5"``."""
     try:  # through JSON: pydantic's strict mode takes a dict for a dataclass only there
-        ARGS.validate_json(json.dumps(flags, default=str), strict=True)
-        return None
+        pydantic.TypeAdapter(Args).validate_json(json.dumps(flags, default=str), strict=True)
     except pydantic.ValidationError as e:
         err = e.errors()[0]
-    name = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else "flags"
-    if err["type"] == "unexpected_keyword_argument":
-        return f"{name}: not a flag of this script"
-    message = re.sub(r"^\w+ should", "must", err["msg"])  # "Input should be ..."
-    return f"{name}: {message}, got {err['input']!r}"
+        message = re.sub(r"^\w+ should", "must", err["msg"])  # "Input should be ..."
+        return f"--{str(err['loc'][0]).replace('_', '-')}: {message}, got {err['input']!r}"
 
 
 def validate(args: Args) -> Args:
@@ -651,64 +529,33 @@ def validate(args: Args) -> Args:
     sizes; returns ``args``. Reads no file, makes no env. Raises UsageError naming the flag."""
     error = flag_error(dataclasses.asdict(args))
     check(error is None, str(error))
-    check(
-        args.resume is None or args.eval_checkpoint is None, "--eval-checkpoint: not with --resume"
-    )
+    check(None in (args.resume, args.eval_checkpoint), "--eval-checkpoint: not with --resume")
     args.batch_size = args.num_envs * args.num_steps
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.num_iterations = args.total_timesteps // args.batch_size
-    rollout = f"num_envs * num_steps = {args.batch_size}"
-    check(args.batch_size % args.num_minibatches == 0, f"--num-minibatches: must divide {rollout}")
-    check(
-        args.minibatch_size >= 2, f"--num-minibatches: each minibatch needs at least 2 of {rollout}"
-    )
+    n = f"num_envs * num_steps = {args.batch_size}"
+    check(args.batch_size % args.num_minibatches == 0, f"--num-minibatches: must divide {n}")
+    check(args.minibatch_size >= 2, f"--num-minibatches: each minibatch needs at least 2 of {n}")
     if args.eval_checkpoint is None:
-        check(
-            args.num_iterations > 0, f"--total-timesteps: must be at least one rollout, {rollout}"
-        )
-        check_rollout_memory(args)
+        check(args.num_iterations > 0, f"--total-timesteps: must be at least one rollout, {n}")
+        gib = 1200 * args.batch_size / 2**30  # a rollout takes at least ~300 float32 per step
+        if os.name == "posix":
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+            size = f"a rollout of {args.batch_size:,} steps needs ~{gib:,.1f} GiB of memory"
+            check(gib <= ram, f"--num-steps/--num-envs: {size}, this machine has {ram:.1f} GiB")
     return args
-
-
-def check_rollout_memory(args: Args, obs_dim: int = 1, act_dim: int = 1) -> None:
-    """Refuse a rollout larger than this machine's memory, before NumPy asks for it: about
-    ``obs_dim + 8 * act_dim + 280`` float32 per transition (storage, noise, values, advantages,
-    indices, the batched pass's activations); a lower bound with the default dimensions."""
-    need = 4 * (obs_dim + 8 * act_dim + 280) * args.batch_size / 2**30
-    with contextlib.suppress(AttributeError, ValueError, OSError):  # no os.sysconf: no check
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        check(
-            need <= total,
-            f"--num-steps/--num-envs: a rollout of {args.batch_size:,} steps needs "
-            f"about {need:,.1f} GiB of memory, more than this machine's {total:.1f} GiB",
-        )
-
-
-def check_writable_dir(path: str | Path, flag: str) -> None:
-    """Fail now, not at the first checkpoint, when ``path`` (or, while it does not exist, its
-    nearest existing parent) cannot take a file; leaves nothing behind."""
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".write-probe-")
-        os.close(fd)
-        os.remove(name)
-    except OSError as e:
-        raise UsageError(f"{flag}: cannot write in {path} ({probe}: {e.strerror or e})") from None
 
 
 def open_run(args: Args) -> tuple[dict | None, Path, int, int]:
     """All that a run checks before any env is made; returns ``(checkpoint, run directory, obs_dim,
-    act_dim)``. A new run: no checkpoint, and ``{runs_dir}/{env}__{exp_name}__{seed}__{unix time}``
-    (CleanRL's name), refused when it holds a checkpoint (same env, name and seed in the same
-    second). ``--resume``: its checkpoint (:func:`load_checkpoint`) and directory, refused when a
-    flag fixing the networks, statistics, steps or place changed, or no steps are left to train."""
+    act_dim)``. A new run: CleanRL's ``{runs_dir}/{env}__{exp_name}__{seed}__{unix time}``, refused
+    when it holds a checkpoint. ``--resume``: its checkpoint and directory, refused when a flag
+    fixing the networks, statistics, steps or place changed, or no steps are left to train."""
     if args.resume is None:
-        check_writable_dir(args.runs_dir, "--runs-dir")
+        check_writable(Path(args.runs_dir), "--runs-dir")
         name = f"{Path(args.env_id).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
         ckpt, run_dir = None, Path(args.runs_dir) / name
-        again = f"resume it with --resume {run_dir / 'checkpoint.pt'}, or pick another --exp-name"
+        again = "resume it with --resume, or pick another --exp-name"
         check(not (run_dir / "checkpoint.pt").exists(), f"{run_dir} holds a checkpoint: {again}")
     else:
         ckpt, run_dir = load_checkpoint(args.resume), Path(args.resume).resolve().parent
@@ -718,192 +565,133 @@ def open_run(args: Args) -> tuple[dict | None, Path, int, int]:
             check(saved == getattr(args, name), f"--{name.replace('_', '-')}: {started}")
         done = f"this run already reached step {ckpt['global_step']}; pass more to train further"
         check(args.num_iterations > ckpt["iteration"], f"--total-timesteps: {done}")
-        check_writable_dir(run_dir, "--resume")
-    obs_dim, act_dim = check_env_id(args.env_id)
-    check_rollout_memory(args, obs_dim, act_dim)
-    if ckpt is not None:
-        check_checkpoint_fits(ckpt, args.resume, "--resume", args.env_id, obs_dim, act_dim)
-    return ckpt, run_dir, obs_dim, act_dim
+        check_writable(run_dir, "--resume")
+    return ckpt, run_dir, *check_env_id(args.env_id)
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Fail now, not at the first save, when ``path`` (or, while it does not exist, its nearest
+    existing parent) cannot take a file; leaves nothing behind."""
+    probe = next(p for p in (path, *path.parents) if p.exists())
+    try:
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {path} ({probe}: {e.strerror or e})") from None
 
 
 def load_checkpoint(path: str | Path, flag: str = "--resume") -> dict:
-    """The checkpoint at ``path`` on the CPU, after checking that this script wrote it (its
-    ``"script"``; older ones without it: flags that are all this script's), that its flags fit
-    ``Args`` (:func:`flag_error`) and that it holds every entry, none with a NaN or an inf.
-    Raises UsageError: one line naming ``flag`` and ``path``."""
-    check(Path(path).is_file(), f"{flag}: checkpoint file {path} does not exist or is no file")
+    """The checkpoint at ``path`` on the CPU, after checking that this script wrote it, that its
+    flags fit ``Args`` (:func:`flag_error`) and that it holds every entry, all finite."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
-        why = f"{type(e).__name__}: {first_line(e)}"
-        raise UsageError(f"{flag}: cannot read checkpoint {path}: {why}") from None
+        raise UsageError(f"{flag}: cannot read checkpoint {path}: {first_line(e)}") from None
     where, saved = f"{flag}: {path}", ckpt.get("args") if isinstance(ckpt, dict) else None
     check(isinstance(saved, dict), f"{where} holds no flags; it is not a {SCRIPT} checkpoint")
     check(ckpt.get("script", SCRIPT) == SCRIPT, f"{where} was written by {ckpt.get('script')}")
     error = flag_error(saved)
     check(error is None, f"{where} is not a {SCRIPT} checkpoint of this version ({error})")
-    missing = {"agent", "optimizer", "iteration", "global_step", "rng", "norm"} - set(ckpt)
-    check(not missing, f"{where} holds no {', '.join(sorted(missing))}; it is not complete")
+    needed = {"agent", "optimizer", "iteration", "global_step", "rng", "norm", "running_return"}
+    missing = ", ".join(sorted(needed - set(ckpt)))
+    check(not missing, f"{where} holds no {missing}; it is not complete")
     bad = first_non_finite(ckpt)
     check(bad is None, f"{where} holds non-finite values in {bad}; it is from a run that diverged")
     return ckpt
 
 
-def check_checkpoint_fits(ckpt: dict, path: str, flag: str, env_id: str, obs_dim, act_dim):
-    """Refuse, before any vector env is made, a checkpoint whose networks or observation
-    statistics do not fit an ``Agent(obs_dim, act_dim)`` for ``env_id``."""
-    with torch.random.fork_rng(devices=[]):  # a throw-away Agent for its shapes; the RNG stays
-        expected = {k: v.shape for k, v in Agent(obs_dim, act_dim).state_dict().items()}
-    agent, norm = ckpt["agent"], ckpt["norm"]
-    fits = isinstance(agent, dict) and {k: np.shape(v) for k, v in agent.items()} == expected
-    fits = fits and isinstance(norm, dict) and np.shape(norm.get("obs_mean")) == (obs_dim,)
-    sizes = f"(observation size {obs_dim}, action size {act_dim})"
-    check(fits, f"{flag}: the networks in {path} do not fit {env_id} {sizes}")
+def load_networks(agent: Agent, ckpt: dict, path: str, flag: str, env_id: str) -> None:
+    """Load the checkpoint's networks into ``agent``, before any vector env is made."""
+    try:
+        agent.load_state_dict(ckpt["agent"])
+    except (RuntimeError, TypeError):  # missing, unexpected or mis-shaped tensors
+        raise UsageError(f"{flag}: the networks in {path} do not fit {env_id}") from None
 
 
 def first_non_finite(obj, path: str = "") -> str | None:
-    """The key path (e.g. ``"agent.actor_logstd"``) of the first floating tensor or array in nested
+    """The key path (e.g. ``"agent.actor_logstd"``) of the first float tensor or array in nested
     dicts, lists and tuples that holds a NaN or an inf; None when all are finite."""
-    if isinstance(obj, (dict, list, tuple)):
+    if isinstance(obj, dict | list | tuple):
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         found = (first_non_finite(v, f"{path}.{k}" if path else str(k)) for k, v in items)
         return next((p for p in found if p is not None), None)
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
-        return None if torch.isfinite(obj).all() else path
-    if isinstance(obj, (np.ndarray, np.floating)) and np.issubdtype(obj.dtype, np.inexact):
-        return None if np.isfinite(obj).all() else path
-    return None
+    if isinstance(obj, np.ndarray | np.floating) and obj.dtype.kind == "f":
+        obj = torch.from_numpy(np.asarray(obj))
+    floats = isinstance(obj, torch.Tensor) and obj.is_floating_point()
+    return path if floats and not torch.isfinite(obj).all() else None
 
 
-def check_finite(ckpt_path: Path, iteration: int, epoch: int | None = None, **tensors) -> None:
-    """Stop the run when one of ``tensors`` holds a NaN or an inf (one sync): the loss and gradient
-    norm before the optimizer step of ``epoch``, the weights after the iteration's updates."""
-    finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors.values()]).tolist()
-    if not all(finite):
-        what = list(tensors)[finite.index(False)].replace("_", " ")
+def check_finite(ckpt_path: Path, iteration: int, epoch: int, loss, grad_norm) -> None:
+    """Stop the run (one sync) before an optimizer step applies a NaN or an inf; non-finite
+    weights, which finite steps can still reach, are refused by :func:`atomic_save`."""
+    if not torch.isfinite(loss.detach() + grad_norm):
         where = f"at iteration {iteration}, epoch {epoch + 1} (the update was not applied)"
-        where = where if epoch is not None else f"after the update of iteration {iteration}"
-        kept = f"the last checkpoint {ckpt_path} is intact" if ckpt_path.is_file() else None
-        hint = "check --learning-rate (try a lower one) and --max-grad-norm"
-        raise UsageError(
-            f"non-finite {what} {where}; {hint}; {kept or 'no checkpoint was written yet'}"
-        )
+        kept = f"{ckpt_path} is intact" if ckpt_path.is_file() else "no checkpoint was written yet"
+        raise UsageError(f"non-finite loss or gradient norm {where}; check --learning-rate; {kept}")
 
 
 def atomic_save(obj: dict, path: Path) -> None:
     """``torch.save`` to a temporary file beside ``path``, fsync, then ``os.replace`` (atomic): a
-    kill at any moment leaves the previous checkpoint whole (and a temporary file that the next
-    save overwrites). Raises UsageError, writing nothing, when ``obj`` holds a NaN or an inf or the
-    file cannot be written (disk full, read-only directory)."""
+    kill at any moment leaves the previous checkpoint whole. Raises UsageError, writing nothing,
+    when ``obj`` holds a NaN or an inf or the file cannot be written (disk full, read-only)."""
     kept = "the previous checkpoint there is intact" if path.is_file() else "none was written yet"
     bad = first_non_finite(obj)
     check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf); {kept}")
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        error = e if isinstance(e, OSError) else e.__context__
-        if not isinstance(error, OSError):  # not the disk's fault: a bug, with its traceback
-            raise
-        raise UsageError(
-            f"cannot write checkpoint {path}: {error.strerror or error}; {kept}"
-        ) from None
+        tmp.unlink(missing_ok=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+        raise UsageError(f"cannot write checkpoint {path}: {why}; {kept}") from None
 
 
-def checkpoint_dict(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:
-    """Everything a resumed run or an evaluation needs: networks, optimizer, counters, every RNG,
-    the normalisation statistics, the reward scaler's running return per env, the flags."""
-    rng = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), rng=rng)
+def run_state(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:
+    """Everything a resumed run or an evaluation needs: networks, optimizer, counters, the NumPy,
+    torch and CUDA RNGs, the normalisation statistics, the reward scaler's running return per env,
+    the flags."""
+    rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state())
+    rng["cuda"] = torch.cuda.get_rng_state_all()  # [] without CUDA
+    state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), rng=rng, script=SCRIPT)
     state |= dict(iteration=iteration, global_step=global_step, norm=get_norm_state(envs))
-    state["running_return"] = np.array(envs.normalizers[1].accumulated_reward)
-    return state | dict(args=dataclasses.asdict(args), script=SCRIPT)
+    running_return = np.array(envs.normalizers[1].accumulated_reward)
+    return state | dict(running_return=running_return, args=dataclasses.asdict(args))
 
 
-def resume_from(ckpt: dict, agent: Agent, optimizer, envs, args: Args):
-    """Load a checked checkpoint into a fresh run; returns ``(first iteration, global step, first
-    observation)``. The learning rate is the flag's (the saved optimizer's would win under
-    ``--no-anneal-lr``); the RNGs are restored last.
-
-    The one limit of a resumed run: the simulator state is not saved, so the envs restart from a
-    reset seeded with ``--seed + global step`` (taken with the statistics frozen: the uninterrupted
-    run had already counted the observation of the autoreset step that ended the rollout). An
-    episode in flight at the checkpoint is dropped (its steps were trained on; its return is never
-    logged) and, on MuJoCo, the first episodes start from other initial states. Everything else
-    continues exactly: with no episode in flight and deterministic resets, the resumed run equals
-    the uninterrupted one bit for bit (tested).
-    """
-    agent.load_state_dict(ckpt["agent"])
+def resume_from(ckpt: dict, optimizer, envs, args: Args):
+    """Continue a checked checkpoint's run (networks already loaded); returns ``(first iteration,
+    global step, first observation)``. Learning rate: the flag's; RNGs restored last. The one
+    limit: the simulator state is not saved, so the envs restart from a reset seeded with ``--seed
+    + global step`` (statistics frozen: the killed run counted the autoreset step's observation).
+    An episode in flight is dropped (trained on, its return never logged) and MuJoCo's first
+    episodes start elsewhere. With no episode in flight and deterministic resets, the resumed run
+    equals the uninterrupted one bit for bit (tested)."""
     optimizer.load_state_dict(ckpt["optimizer"])
-    for group in optimizer.param_groups:
-        group["lr"] = args.learning_rate
+    optimizer.param_groups[0]["lr"] = args.learning_rate  # the flag's, also with --no-anneal-lr
     set_norm_state(envs, ckpt["norm"], update=False)  # the reset must not move the statistics
     next_obs, _ = envs.reset(seed=args.seed + ckpt["global_step"])
-    for normalizer in envs.normalizers:
-        normalizer.update_running_mean = True
-    running_return = ckpt.get("running_return")  # older checkpoints have none: it restarts at 0
-    if running_return is not None and np.shape(running_return) == (args.num_envs,):
-        envs.normalizers[1].accumulated_reward[:] = running_return
-    random.setstate(ckpt["rng"]["python"])
+    set_norm_state(envs, ckpt["norm"])
+    envs.normalizers[1].accumulated_reward[:] = ckpt["running_return"]
     np.random.set_state(ckpt["rng"]["numpy"])
     torch.set_rng_state(ckpt["rng"]["torch"])
-    if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    torch.cuda.set_rng_state_all(ckpt["rng"].get("cuda", []))  # none without CUDA
     return ckpt["iteration"] + 1, ckpt["global_step"], next_obs
 
 
 def make_writer(run_dir: Path, args: Args, purge_step: int | None) -> SummaryWriter:
-    """A TensorBoard writer in ``run_dir`` with the flags as a table, and ``args.json`` beside it.
-    ``purge_step`` (a resumed run's first step) drops the events the interrupted run logged from it
-    on, so no step shows twice; TensorBoard purges only what it read first, reading files in name
-    order (``events.out.tfevents.<second>...``), so the new file is made in a later second."""
+    """A TensorBoard writer in ``run_dir``, and the flags in ``args.json`` beside it.
+    ``purge_step`` (a resumed run's first step) drops what the killed run logged from it on;
+    TensorBoard purges only what it read first, reading files in name order
+    (``events.out.tfevents.<second>...``), so the new file is made in a later second."""
     seconds = [int(f.name.split(".")[3]) for f in run_dir.glob("events.out.tfevents.*")]
     while purge_step is not None and seconds and int(time.time()) <= max(seconds):
         time.sleep(0.05)
     writer = SummaryWriter(str(run_dir), purge_step=purge_step)
-    flags = dataclasses.asdict(args)
-    rows = "\n".join(f"|{k}|{v}|" for k, v in flags.items())
-    writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    (run_dir / "args.json").write_text(json.dumps(flags, indent=2))
+    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return writer
-
-
-def check_video(capture_video: bool, env_id: str, directory: Path) -> str | None:
-    """``directory`` when ``--capture-video`` is on and ``env_id`` can be recorded there, else None.
-    A Linux machine without a display renders MuJoCo through EGL (unless ``MUJOCO_GL`` is set).
-    Raises UsageError: the directory is not writable, moviepy is missing, or no renderer works."""
-    if not capture_video:
-        return None
-    check_writable_dir(directory, "--capture-video")
-    moviepy = importlib.util.find_spec("moviepy") is not None
-    check(moviepy, "--capture-video: needs moviepy; install it with: pip install moviepy")
-    if sys.platform == "linux" and not (os.getenv("DISPLAY") or os.getenv("WAYLAND_DISPLAY")):
-        os.environ.setdefault("MUJOCO_GL", "egl")
-    try:
-        env = gym.make(env_id, render_mode="rgb_array")
-        env.reset(seed=0)
-        if np.ndim(env.render()) != 3:
-            raise RuntimeError("it rendered no RGB frame")
-        env.close()
-    except Exception as e:  # noqa: BLE001 - GL and renderer errors have no common base class
-        why = f"{type(e).__name__}: {first_line(e)[:120]}; try MUJOCO_GL=egl or MUJOCO_GL=osmesa"
-        raise UsageError(f"--capture-video: cannot render {env_id} ({why})") from None
-    return str(directory)
-
-
-def get_device(args: Args) -> torch.device:
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
-    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ vector env. Flag constraints are pydantic's words ("must be greater than 0, got 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -157,7 +156,7 @@ CASES = [
             "--total-timesteps",
             "10000000000000",
         ],
-        "GiB of memory, more than this machine's",
+        "GiB of memory, this machine has",
         CHEAP,
     ),
     (
@@ -173,7 +172,11 @@ CASES = [
     (["--runs-dir", "{root}/a_file"], "--runs-dir: cannot write in", CHEAP),
     (["--runs-dir", "{root}/a_file/runs"], "--runs-dir: cannot write in", CHEAP),
     (["--runs-dir", "/proc/runs"], "--runs-dir: cannot write in /proc/runs", CHEAP),
-    (["--resume", "{root}/missing.pt"], "--resume: checkpoint file", CHEAP),
+    (
+        ["--resume", "{root}/missing.pt"],
+        "--resume: cannot read checkpoint {root}/missing.pt",
+        CHEAP,
+    ),
     (["--resume", "{root}"], "--resume: ", CHEAP),
     (["--resume", "{root}/junk.pt"], "--resume: cannot read checkpoint", CHEAP),
     (
@@ -233,7 +236,11 @@ CASES = [
         "--eval-checkpoint: {root}/nan.pt holds non-finite values",
         CHEAP,
     ),
-    (["--eval-checkpoint", "{root}/missing.pt"], "--eval-checkpoint: checkpoint file", CHEAP),
+    (
+        ["--eval-checkpoint", "{root}/missing.pt"],
+        "--eval-checkpoint: cannot read checkpoint {root}/missing.pt",
+        CHEAP,
+    ),
     (["--eval-checkpoint", "{root}/junk.pt"], "--eval-checkpoint: cannot read checkpoint", CHEAP),
     (
         ["--eval-checkpoint", "{root}/other_script.pt"],
@@ -248,13 +255,13 @@ CASES = [
     (
         ["--resume", "{root}/removed_flag.pt", "--total-timesteps", "512"],
         "--resume: {root}/removed_flag.pt is not a ppo_continuous.py checkpoint of this version "
-        "(--old-flag: not a flag of this script)",
+        "(--old-flag: Unexpected keyword argument, got 1)",
         CHEAP,
     ),
     (
         ["--eval-checkpoint", "{root}/removed_flag.pt"],
         "--eval-checkpoint: {root}/removed_flag.pt is not a ppo_continuous.py checkpoint of this "
-        "version (--old-flag: not a flag of this script)",
+        "version (--old-flag: Unexpected keyword argument, got 1)",
         CHEAP,
     ),
     (
@@ -270,7 +277,7 @@ CASES = [
         CHEAP,
     ),
     (["--env-id", "NoSuchEnv-v9"], "--env-id: cannot make 'NoSuchEnv-v9'", ENV),
-    (["--env-id", "CartPole-v1"], "--env-id: CartPole-v1 has a Discrete action space", ENV),
+    (["--env-id", "CartPole-v1"], "--env-id: CartPole-v1 has Discrete actions", ENV),
     (
         ["--resume", "{root}/wrong_networks.pt", "--total-timesteps", "512"],
         "--resume: the networks in {root}/wrong_networks.pt do not fit InvertedPendulum-v5",
@@ -331,8 +338,7 @@ def test_a_new_run_does_not_overwrite_a_run_directory_with_a_checkpoint(files, c
     with pytest.raises(SystemExit) as exit_:
         pc.cli([*SMALL, "--seed", "2", "--runs-dir", str(run.parent)])
     assert exit_.value.code == 2 and capsys.readouterr().err == (
-        f"error: {run} holds a checkpoint: resume it with --resume {run}/checkpoint.pt, "
-        "or pick another --exp-name\n"
+        f"error: {run} holds a checkpoint: resume it with --resume, or pick another --exp-name\n"
     )
     assert files["ckpt"].read_bytes() == files["bytes"]
 
@@ -376,10 +382,11 @@ def test_real_command_line(tmp_path):
         2,
         "error: --seed: invalid literal for int() with base 10: 'abc'\n",
     )
-    p = _script(
-        "--gamma", "2", cwd=tmp_path, env={**os.environ, "RANK": "1"}
-    )  # torchrun: other ranks stay quiet
-    assert (p.returncode, p.stderr) == (2, "")
+    p = _script("--gamma", "2", cwd=tmp_path)
+    assert (p.returncode, p.stderr) == (
+        2,
+        "error: --gamma: must be less than or equal to 1, got 2.0\n",
+    )
     p = _script("--help", cwd=tmp_path)
     assert p.returncode == 0 and "--learning-rate" in p.stdout and "--batch-size" not in p.stdout
     assert not list(tmp_path.iterdir())

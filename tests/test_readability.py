@@ -2,6 +2,8 @@
 the creep cannot come back silently. Lines are a function's source lines, docstring included."""
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,52 @@ def test_the_banner_covers_plumbing_only(script):
     main = _functions(ROOT / script)["main"]
     assert text.count("# TRY NOT TO MODIFY") == 1, script
     assert text[:text.index("# TRY NOT TO MODIFY")].count("\n") + 1 > main.end_lineno, script
+
+
+# script: (total lines, code lines) of the script and every module of this repository it imports, transitively (what
+# a user copies to run it; issue 23). Code lines hold a token other than a comment or a newline, docstrings left out.
+WEIGHT_BUDGETS = {"ppo_continuous.py": (700, 450)}
+
+
+def _local_imports(path: Path) -> set[Path]:
+    """The modules of this repository (its top-level .py files) that ``path`` imports, anywhere in the file."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return {ROOT / f"{name}.py" for name in names if (ROOT / f"{name}.py").is_file()} - {path}
+
+
+def _code_lines(text: str) -> int:
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            docstrings |= set(range(first.lineno, first.end_lineno + 1))
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in layout:
+            lines |= set(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def weight(script: str) -> tuple[int, int]:
+    """``(total lines, code lines)`` of ``script`` and every module of this repository it imports, transitively."""
+    seen, todo = {ROOT / script}, [ROOT / script]
+    while todo:
+        for module in _local_imports(todo.pop()) - seen:
+            seen.add(module)
+            todo.append(module)
+    texts = [path.read_text() for path in seen]
+    return sum(len(text.splitlines()) for text in texts), sum(_code_lines(text) for text in texts)
+
+
+@pytest.mark.parametrize("script", list(WEIGHT_BUDGETS))
+def test_what_a_user_copies_fits_its_weight_budget(script):
+    (total, code), (total_budget, code_budget) = weight(script), WEIGHT_BUDGETS[script]
+    assert total <= total_budget and code <= code_budget, (
+        f"{script} with its imports: {total} lines ({code} code), budget {total_budget} ({code_budget})")
