@@ -236,6 +236,24 @@ class Args:
     weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
+@dataclass
+class Batch:
+    """Steps 1-2 of a step, this process's share: N prompts with one completion each (prompts left-padded
+    to P tokens, completions of T tokens at most), and the completions' scores (set by :func:`score`)."""
+
+    examples: list[dict]  # the question (and answer) of each prompt
+    completions: list[str]  # the decoded completions
+    input_ids: torch.Tensor  # (N, P + T) the prompt, then the completion (padding after its first EOS)
+    attention_mask: torch.Tensor  # (N, P + T) 1 for real tokens
+    prompt_width: int  # P: the completions start at this column
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including each completion's first EOS
+    truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
+    sampler_logp: torch.Tensor | None  # (N, T) log probs under the sampler when it is not the policy (TIS)
+    score: torch.Tensor | None = None  # (N,) the reward model's or the task's score, before the EOS penalty
+    correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
+    reward_fns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # --reward-fn: each one's
+
+
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: the pieces of RLHF-PPO, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
@@ -484,130 +502,134 @@ def float32_lm_head(model):
 # RLHF-PPO, the N+ details' training loop
 # ----------------------------------------------------------------------------------------------
 def main(args: Args, task: tasks.Task | None = None) -> dict:
-    """Train with PPO; returns the per-step history of logged scalars (for tests and notebooks).
+    """Train with PPO; returns the per-step history of logged scalars (a dict of lists).
 
     ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
-    Under ``torchrun`` every process runs this function on its share of the batch; the returned history
-    holds the global (all-process) values on every rank.
+    Under ``torchrun`` every process runs this function on its share of the batch; the returned
+    history holds the global values on every rank.
     """
+    # A bad flag, checkpoint, run directory, dataset or reward file fails here, before any load
     validate(args)
-    checkpoint = resume_checkpoint(args)  # before anything loads: a bad flag or --resume fails at once
+    checkpoint = resume_checkpoint(args)
     run_dir = common.make_run_dir(args)
-    task = task or tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field, args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)  # so does a bad --dataset or --reward-fn
-    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    task = task or make_task(args)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step,
-                                       *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
-    rank, world, device = common.start_processes(args.torch_threads, args.device)  # torchrun: each process samples and trains on its share
+    questions = prompts_that_fit(task, tokenizer, args)
+    # torchrun: each process samples and trains on its share of the batch
+    rank, world, device = common.start_processes(args.torch_threads, args.device)
     common.seed_everything(args.seed)
 
-    # The four models, dropout off: the policy pi_theta, a reference pi_ref (a frozen copy of the initial policy; none
-    # with beta = 0), the reward (a frozen reward model, or the task's verifiable reward) and the value model V_phi
+    # The four models, dropout off: the policy pi_theta, a reference pi_ref (a frozen copy of the
+    # initial policy; none with beta = 0), the reward (a frozen reward model, or the task's
+    # verifiable reward) and the value model V_phi (N+ details: from the reward model, else the
+    # policy). Every process loads the same weights: they stay equal (same all-reduced gradients).
     policy = common.load_policy(args, device)
-    reference = common.load_reference(policy, args, device)  # --lora-rank: the policy with its adapter disabled
-    reward_model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval().requires_grad_(False) \
-        if args.reward_model_path else None
-    value_model = load_value_model(args, tokenizer, device)  # N+ details: from the reward model, or else the policy
-    # Every process loads the same weights: the copies start equal and stay equal (same all-reduced gradients).
-    optimizer = torch.optim.AdamW([{"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.learning_rate},
-                                   {"params": list(value_model.parameters()), "lr": args.value_learning_rate or args.learning_rate}],
-                                  eps=args.adam_eps, weight_decay=args.weight_decay,
-                                  fused=device.type == "cuda")  # one kernel for the whole AdamW update on CUDA (same math)
-    policy_params, value_params = optimizer.param_groups[0]["params"], optimizer.param_groups[1]["params"]
-    start_step, beta = restore(checkpoint, args, policy, value_model, optimizer) if checkpoint else (0, args.beta)
-    log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", {
-        "reward": "reward/mean", "kl": "loss/kl", "vloss": "loss/value", "len": "completion/length_mean"})
-    sampling = make_sampling(policy, tokenizer, questions, args, rank, world, device)  # --fast-generation: a bf16 copy
+    reference = common.load_reference(policy, args, device)  # LoRA: the adapter disabled
+    reward_model = load_reward_model(args, tokenizer, device)
+    value_model = load_value_model(args, tokenizer, device)
+    optimizer = make_optimizer(policy, value_model, args, device)
+    policy_params, value_params = (group["params"] for group in optimizer.param_groups)
+    start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
+    bar = {"reward": "reward/mean", "kl": "loss/kl", "vloss": "loss/value",
+           "len": "completion/length_mean"}
+    log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
+    sampler = make_sampler(policy, tokenizer, questions, args, rank, world)  # --fast-generation
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out greedy accuracy before training
+        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out accuracy at start
 
-    # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is minibatch_size prompts
-    # of every process, and the losses divide by the global minibatch size, minibatch_size * world.
+    # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is
+    # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
+    temperature, eps, eps_v = args.temperature, args.clip_range, args.clip_range_value
+    micro_batch_size, tis_cap = args.micro_batch_size, args.tis_cap
     for step in log.progress(start_step, args.total_steps):
-        t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # what a non-finite check's error names
-        # ---- 1. Rollout: one completion per prompt from pi_old = the current policy, cut after its first EOS ----
-        batch = rollout(sampling, policy, args, device, step)  # --fast-generation: sampled by a bf16 copy of the policy
-        mask = batch["mask"]  # (N, T): 1 up to and including each completion's first EOS, 0 after it
+        t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # for non-finite errors
+        # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
+        batch = rollout(sampler, policy, args, device, step)  # Batch (--fast-generation: bf16 copy)
+        mask = batch.completion_mask  # (N, T): 1 up to and including each completion's first EOS
         gen_time = time.time() - t0
 
-        # ---- 2. Score each completion: the reward model (read as its own forward pools) or the verifiable reward ----
-        batch.update(score(batch, reward_model, task, args, device))
-        scores = batch["score"] - args.missing_eos_penalty * batch["truncated"].float()  # no EOS: TRL's penalty
+        # ---- 2. Score each completion: the reward model (as it pools) or the task's reward ----
+        batch = score(batch, reward_model, task, args, device)
+        scores = batch.score - args.missing_eos_penalty * batch.truncated.float()  # TRL's penalty
 
         # ---- 3. pi_old and pi_ref log probs and V_old values of the sampled tokens (no grad) ----
         old_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask)
         ref_logp = torch.zeros_like(mask) if reference is not None else None
+        everyone = torch.arange(N, device=device)
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            for idx, ids, att, t_mb in make_micro_batches(torch.arange(N, device=device), batch, args.micro_batch_size):
-                old_logp[idx, :t_mb] = token_log_probs(policy, ids, att, t_mb, args.temperature)
-                old_values[idx, :t_mb] = token_values(value_model, ids, att, t_mb)
+            for idx, ids, att, t in make_micro_batches(everyone, batch, args.micro_batch_size):
+                old_logp[idx, :t] = token_log_probs(policy, ids, att, t, temperature)
+                old_values[idx, :t] = token_values(value_model, ids, att, t)
                 if reference is not None:
-                    ref_logp[idx, :t_mb] = token_log_probs(reference, ids, att, t_mb, args.temperature)
+                    ref_logp[idx, :t] = token_log_probs(reference, ids, att, t, temperature)
 
         # ---- 4. Per-token rewards: -beta * KL_t on every token, the score on the last (eq. 2) ----
         rewards, kl = per_token_rewards(scores.to(device), old_logp, ref_logp, mask, beta)
-        if args.whiten_rewards:  # N+ details (optional): unit variance over the valid tokens, the mean kept
+        if args.whiten_rewards:  # N+ details (optional): unit variance over valid tokens, mean kept
             rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=common.all_reduce)
 
-        # ---- 5. GAE advantages and value targets R_t = A_t + V(s_t); advantages whitened over the valid tokens ----
+        # ---- 5. GAE advantages and value targets R_t = A_t + V(s_t); advantages whitened ----
         advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # torchrun: over every process
+        advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # every process
 
-        # ---- 6. PPO updates: --num-ppo-epochs passes over the batch, --num-minibatches optimizer steps each ----
+        # ---- 6. PPO updates: --num-ppo-epochs passes, --num-minibatches optimizer steps each ----
         totals, t2 = new_totals(), time.time()
         for _ in range(args.num_ppo_epochs):
             perm = torch.randperm(N, device=device)  # a new split into minibatches every epoch
             for start in range(0, N, minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
-                minibatch = perm[start: start + minibatch_size]
-                with common.train_mode((policy, value_model), args.gradient_checkpointing):  # --gradient-checkpointing
-                    for idx, ids, att, t_mb in make_micro_batches(minibatch, batch, args.micro_batch_size):
+                minibatch = perm[start : start + minibatch_size]
+                with common.train_mode((policy, value_model), args.gradient_checkpointing):
+                    for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
                         with common.bf16_autocast(device, args.bf16):
-                            logp, entropy = token_log_probs(policy, ids, att, t_mb, args.temperature, with_entropy=True)
-                            values = token_values(value_model, ids, att, t_mb)
-                        loss, stats = ppo_loss(logp, old_logp[idx, :t_mb], advantages[idx, :t_mb], values,
-                                               old_values[idx, :t_mb], returns[idx, :t_mb], mask[idx, :t_mb],
-                                               args.clip_range, args.clip_range_value, args.vf_coef,
-                                               minibatch_size * world,  # torchrun: sequences in the global minibatch
-                                               common.micro(batch["sampler_logp"], idx, t_mb), args.tis_cap)  # TIS, Yao et al. 2025
+                            logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
+                            values = token_values(value_model, ids, att, t)
+                        old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
+                        adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
+                        tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
+                        loss, stats = ppo_loss(logp, old_lp, adv, values, old_v, ret, m, eps, eps_v,
+                                               args.vf_coef, minibatch_size * world, tis, tis_cap)
                         common.check_finite_update(*where, loss=loss)
                         loss.backward()
-                        accumulate(totals, {**stats, "entropy": (entropy * mask[idx, :t_mb]).sum()})
-                common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's all-reduce, once per update
+                        accumulate(totals, {**stats, "entropy": (entropy * m).sum()})
+                common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                common.check_finite_update(*where, gradient_norm=grad_norm, value_gradient_norm=value_grad_norm)
+                common.check_finite_update(*where, gradient_norm=grad_norm,
+                                           value_gradient_norm=value_grad_norm)
                 optimizer.step()
                 common.check_finite_parameters(policy_params + value_params, *where)
-                accumulate(totals, {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1})
+                norms = {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1}
+                accumulate(totals, norms)
 
         # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
-        beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019: --adaptive-kl-target
+        beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
-        # ---- logging, evaluation, checkpoints (TRY NOT TO MODIFY) ----
-        log(step + 1, step_metrics(args, batch, scores, kl, beta_used, old_logp, old_values, returns, totals, optimizer,
-                                   device, (t0, gen_time, t2)))
+        # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
+        metrics = step_metrics(args, batch, scores, kl, beta_used, old_logp, old_values, returns,
+                               totals, optimizer, device, (t0, gen_time, t2))
+        log(step + 1, metrics)
         log.samples(step + 1, sample_lines(batch), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)  # every --eval-every steps and at the end
-        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)  # every --save-every and at the end
+        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
+        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
     log.close()
     if rank == 0 and args.total_steps > start_step:
         common.save_pretrained(policy, tokenizer, run_dir / "final_model", args.model_name_or_path)
-        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (load it with from_pretrained)")
-    common.cleanup_distributed()  # the other processes wait here until rank 0 has written everything
+        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
+    common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
     return log.history
 
 
 # ----------------------------------------------------------------------------------------------
 # The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the value model's start
 # ----------------------------------------------------------------------------------------------
-def rollout(sampling: Sampling, policy, args: Args, device, step: int) -> dict:
+def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     """Step 1: this process's N prompts of the step and one completion of each from pi_old, the current policy.
 
     The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)`` (within the
@@ -615,42 +637,38 @@ def rollout(sampling: Sampling, policy, args: Args, device, step: int) -> dict:
     step, global index of the call's first prompt)``: samples do not depend on the number of processes. Each
     completion ends at its first EOS and is padded after it (the N+ details' EOS trick, :func:`completion_mask`).
     The sampler is the policy itself, or with --fast-generation its bf16 copy, which first gets the policy's
-    current weights (:func:`make_sampling`).
+    current weights (:func:`make_sampler`).
 
     Returns:
-        a dict of the ``examples`` and their decoded ``completions``, (N, P + T) ``input_ids`` and ``attention_mask``
-        (left-padded prompt, then the completion), the prompt width ``P``, the (N, T) ``mask`` of each completion
-        up to and including its first EOS, (N,) ``truncated`` (no EOS within --max-new-tokens) and ``sampler_logp``
-        ((N, T) or None, see :class:`Sampling`).
+        the step's :class:`Batch`, its scores still unset (step 2, :func:`score`).
     Raises:
         UsageError: the sampling probabilities are not finite (diverged weights).
     """
-    common.refresh_sampler(sampling.sampler, policy)  # --fast-generation: the bf16 copy gets the policy's weights
-    tokenizer, N = sampling.tokenizer, args.prompts_per_step // sampling.world
-    first = sampling.rank * N  # global index of this process's first prompt
-    picks = np.random.default_rng([args.seed, step]).choice(len(sampling.questions), args.prompts_per_step,
+    common.refresh_sampler(sampler.model, policy)  # --fast-generation: the bf16 copy gets the policy's weights
+    tokenizer, N = sampler.tokenizer, args.prompts_per_step // sampler.world
+    first = sampler.rank * N  # global index of this process's first prompt
+    picks = np.random.default_rng([args.seed, step]).choice(len(sampler.questions), args.prompts_per_step,
                                                             replace=False)[first: first + N]
-    examples = [sampling.questions[i] for i in picks]
+    examples = [sampler.questions[i] for i in picks]
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
     rows, row_logps = common.generate_completions(
-        sampling.sampler, prompts, 1, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
+        sampler.model, prompts, 1, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step), first=first,
         per_call=args.generation_prompts_per_call, bf16=args.bf16 and not args.fast_generation,
-        static_cache=args.fast_generation, record=sampling.record)
+        static_cache=args.fast_generation, record=sampler.record)
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id, device)
     T = max(len(r) for r in rows)
     completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
-    sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device) if sampling.record else None
+    sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device) if sampler.record else None
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
     completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-    return {"examples": examples, "completions": tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-            "input_ids": torch.cat([prompt_ids, completion_ids], 1),
-            "attention_mask": torch.cat([prompt_mask, mask.long()], 1), "P": prompt_ids.shape[1], "mask": mask,
-            "truncated": ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu(),
-            "sampler_logp": sampler_logp}
+    return Batch(examples, tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                 torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask.long()], 1),
+                 prompt_ids.shape[1], mask, ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu(),
+                 sampler_logp)
 
 
-def score(batch: dict, reward_model, task: tasks.Task, args: Args, device) -> dict:
+def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> Batch:
     """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's, read where its
     own forward pass pools (--reward-model-path), or else the task's verifiable reward.
 
@@ -660,15 +678,16 @@ def score(batch: dict, reward_model, task: tasks.Task, args: Args, device) -> di
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
-    examples = batch["examples"]
-    responses = [args.response_prefix + c for c in batch["completions"]]  # what the reward functions read
+    examples = batch.examples
+    responses = [args.response_prefix + c for c in batch.completions]  # what the reward functions read
     each = {}
     if reward_model is not None:
-        scores = common.score_with_reward_model(reward_model, batch["input_ids"], batch["attention_mask"],
+        scores = common.score_with_reward_model(reward_model, batch.input_ids, batch.attention_mask,
                                                 args.micro_batch_size, device, args.bf16)
     else:
         scores, each = tasks.score_task(task, responses, examples)  # --reward-fn: each function's own rewards too
-    return {"score": scores, "correct": tasks.score_correct(task, responses, examples), "reward_fns": each}
+    batch.score, batch.correct, batch.reward_fns = scores, tasks.score_correct(task, responses, examples), each
+    return batch
 
 
 def load_value_model(args: Args, tokenizer, device):
@@ -713,10 +732,10 @@ def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
 # Scale-out and speed: the bf16 sampler, micro-batches, gradient checkpointing, torchrun
 # ----------------------------------------------------------------------------------------------
 @dataclass
-class Sampling:
-    """What step 1 samples with, made once by :func:`make_sampling`."""
+class Sampler:
+    """What step 1 samples with, made once by :func:`make_sampler`."""
 
-    sampler: Any  # the policy itself, or its bfloat16 copy (--fast-generation)
+    model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
     record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
@@ -724,18 +743,18 @@ class Sampling:
     world: int
 
 
-def make_sampling(policy, tokenizer, questions: list[dict], args: Args, rank: int, world: int, device) -> Sampling:
+def make_sampler(policy, tokenizer, questions: list[dict], args: Args, rank: int, world: int) -> Sampler:
     """The sampler of step 1: the policy itself, or with --fast-generation a bfloat16 copy of it with a static KV cache,
     which transformers compiles on CUDA, refreshed in place before every rollout (so the compiled CUDA graphs stay
     valid). Log probs for the loss always come from the policy (float32 weights and LM head), so a bf16 sampler draws
     from a slightly different distribution than the ratio and the KL assume: the gap is logged every step
     (sampling/logp_diff_*) and --tis-cap corrects it."""
-    sampler = common.bf16_sampler(policy) if args.fast_generation else policy
-    record = sampler is not policy or common.bf16_active(device, args.bf16)
-    return Sampling(sampler, record, tokenizer, questions, rank, world)
+    model = common.bf16_sampler(policy) if args.fast_generation else policy
+    record = model is not policy or common.bf16_active(policy.device, args.bf16)
+    return Sampler(model, record, tokenizer, questions, rank, world)
 
 
-def make_micro_batches(indices: torch.Tensor, batch: dict, size: int) -> list:
+def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int) -> list:
     """Split ``indices`` into micro-batches of similar completion length, each trimmed of the padding
     it does not need (left of its longest prompt, right of its longest completion). The losses are sums
     over sequences, so the grouping changes no result, only the time spent on padding.
@@ -745,7 +764,7 @@ def make_micro_batches(indices: torch.Tensor, batch: dict, size: int) -> list:
     Returns:
         [(idx, input_ids (b, p + t), attention_mask (b, p + t), t)]: completions occupy the last t columns.
     """
-    input_ids, attention_mask, mask, P = batch["input_ids"], batch["attention_mask"], batch["mask"], batch["P"]
+    input_ids, attention_mask, mask, P = batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_width
     order = indices[torch.argsort(mask[indices].sum(1), descending=True, stable=True)]
     batches = []
     for i in range(0, len(order), size):
@@ -792,6 +811,46 @@ def validate(args: Args) -> None:
           f"--num-minibatches {args.num_minibatches}")
 
 
+def make_task(args: Args) -> tasks.Task:
+    """The task the flags name (:func:`tasks.make_task`), with enough training questions for a step.
+
+    Raises:
+        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held out.
+    """
+    task = tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field,
+                           args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)
+    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    return task
+
+
+def prompts_that_fit(task: tasks.Task, tokenizer, args: Args) -> list[dict]:
+    """The training questions whose prompts, in the run's prompt style, fit --max-prompt-length.
+
+    Raises:
+        UsageError: fewer than --prompts-per-step of them.
+    """
+    style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
+    return tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style)
+
+
+def load_reward_model(args: Args, tokenizer, device):
+    """The frozen reward model of --reward-model-path (:func:`common.load_reward_model`), or None."""
+    if args.reward_model_path is None:
+        return None
+    return common.load_reward_model(args.reward_model_path, tokenizer, device).eval().requires_grad_(False)
+
+
+def make_optimizer(policy, value_model, args: Args, device) -> torch.optim.AdamW:
+    """One AdamW over two parameter groups, the policy's trained weights (--learning-rate) and the value
+    model's (--value-learning-rate), with the N+ details' epsilon (--adam-eps); fused on CUDA (one kernel,
+    the same math)."""
+    policy_group = {"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.learning_rate}
+    value_group = {"params": list(value_model.parameters()),
+                   "lr": args.value_learning_rate or args.learning_rate}
+    return torch.optim.AdamW([policy_group, value_group], eps=args.adam_eps, weight_decay=args.weight_decay,
+                             fused=device.type == "cuda")
+
+
 def resume_checkpoint(args: Args) -> dict | None:
     """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
     this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train and no NaN or inf;
@@ -805,7 +864,7 @@ def resume_checkpoint(args: Args) -> dict | None:
     return common.resume_checkpoint(args, SCRIPT, FROZEN)
 
 
-def restore(checkpoint: dict, args: Args, policy, value_model, optimizer) -> tuple[int, float]:
+def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer) -> tuple[int, float]:
     """Load a checkpoint's weights and optimizer state; returns the step it was written at and the KL coefficient
     of the next step: with --adaptive-kl-target the controller's saved value, else --beta (given again, it takes
     effect). The flags given now set the optimizer's hyperparameters (--learning-rate, --value-learning-rate,
@@ -814,6 +873,8 @@ def restore(checkpoint: dict, args: Args, policy, value_model, optimizer) -> tup
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
     """
+    if checkpoint is None:
+        return 0, args.beta
     try:
         common.load_trained_weights(policy, checkpoint["policy"])
         value_model.load_state_dict(checkpoint["value_model"])
@@ -845,7 +906,7 @@ def accumulate(totals: dict, stats: dict) -> None:
             totals[key] += float(value)
 
 
-def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor, beta: float, old_logp: torch.Tensor,
+def step_metrics(args: Args, batch: Batch, scores: torch.Tensor, kl: torch.Tensor, beta: float, old_logp: torch.Tensor,
                  old_values: torch.Tensor, returns: torch.Tensor, totals: dict, optimizer, device,
                  times: tuple[float, float, float]) -> dict:
     """A step's logged scalars: means over the global batch (sums and per-sequence values gathered from every
@@ -855,13 +916,13 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
     trained module. ``times``: the step's start, the seconds of step 1 and the start of step 6; ``time/generation_s``
     covers step 1, ``time/training_s`` the rest of the step up to here and ``time/update_s_per_epoch`` one pass of
     step 6."""
-    mask = batch["mask"]
+    mask = batch.completion_mask
     valid = mask.bool()
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
     returns_all, values_all = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, old_values))
     rewards_task, correct, scores, non_score, lengths, truncated = (common.all_gather(x.float().cpu()) for x in (
-        batch["score"], batch["correct"], scores, non_score, mask.sum(1), batch["truncated"]))
+        batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated))
     summed = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy")
     totals = {**totals, **dict(zip(summed, common.all_reduce(torch.tensor([totals[k] for k in summed])).tolist()))}
     var_returns = returns_all.var()
@@ -878,7 +939,7 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
         "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
         "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
         "kl/sequence_mean": kl_sum / args.prompts_per_step, "kl/beta": beta,
-        **(sampler_mismatch(old_logp, batch["sampler_logp"], mask) if batch["sampler_logp"] is not None else {}),
+        **(sampler_mismatch(old_logp, batch.sampler_logp, mask) if batch.sampler_logp is not None else {}),
         "value/mean": values_all.mean().item(), "value/returns_mean": returns_all.mean().item(),
         "value/explained_variance": (1 - (returns_all - values_all).var() / var_returns).item()
         if var_returns > 0 else float("nan"),
@@ -888,7 +949,7 @@ def step_metrics(args: Args, batch: dict, scores: torch.Tensor, kl: torch.Tensor
         "time/generation_s": gen_time, "time/training_s": now - t0 - gen_time,
         "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs, "time/step_s": now - t0,
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
-        **common.peak_memory_gb(device), **common.reward_fn_means(batch["reward_fns"]),
+        **common.peak_memory_gb(device), **common.reward_fn_means(batch.reward_fns),
     }
 
 
@@ -913,10 +974,10 @@ def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_mod
                         "digests": common.input_digests(args.dataset, args.reward_fn)}, log.checkpoint)
 
 
-def sample_lines(batch: dict) -> list[str]:
+def sample_lines(batch: Batch) -> list[str]:
     """Rank 0's first four completions with their scores, for the printed and logged samples."""
-    return [f"[reward {batch['score'][j]:.2f}] {batch['examples'][j]['question']!r} -> {batch['completions'][j]!r}"
-            for j in range(min(len(batch["examples"]), 4))]
+    return [f"[reward {batch.score[j]:.2f}] {batch.examples[j]['question']!r} -> {batch.completions[j]!r}"
+            for j in range(min(len(batch.examples), 4))]
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -11,9 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer functions allowed)
-BUDGETS = {  # grpo_lm.main(): issue 22's budget, with lines of at most 100 characters (checked below)
+BUDGETS = {  # the LM scripts' main(): issue 22's budgets, lines of at most 100 characters (below)
     "grpo_lm.py": ("main", 140, 85, {"grpo_loss": 75, "token_log_probs": 45}),
-    "ppo_lm.py": ("main", 130, 85, {}),
+    "ppo_lm.py": ("main", 150, 95, {}),
     "ppo_continuous.py": ("train", 150, None, {}),
 }
 OTHER_FUNCTIONS = 60
@@ -39,7 +39,7 @@ def test_the_algorithm_fits_its_budget(script):
     name, budget, loop_budget, _ = BUDGETS[script]
     function = _functions(ROOT / script)[name]
     assert _lines(function) <= budget, f"{script}: {name}() has {_lines(function)} lines, budget {budget}"
-    if script == "grpo_lm.py":  # a budget met by widening lines is no budget
+    if script in ("grpo_lm.py", "ppo_lm.py"):  # a budget met by widening lines is no budget
         text = (ROOT / script).read_text().splitlines()[function.lineno - 1 : function.end_lineno]
         wide = [line for line in text if len(line) > 100]
         assert not wide, f"{script}: {name}() has lines over 100 characters: {wide[:2]}"
