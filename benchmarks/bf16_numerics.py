@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import tasks  # noqa: E402
 import grpo_lm  # noqa: E402
+import tasks  # noqa: E402
 
 
 def perturbed(model, scale: float, seed: int):
@@ -58,9 +58,18 @@ def forward_log_probs(model, batch, temperature: float, autocast: bool = False) 
     attention_mask = torch.cat([prompt_mask[index], att], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = model(input_ids=torch.cat([prompt_ids[index], completions], 1), attention_mask=attention_mask,
-                       position_ids=position_ids, logits_to_keep=completions.shape[1] + 1).logits[:, :-1]
-    return (logits.float() / temperature).log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
+        logits = model(
+            input_ids=torch.cat([prompt_ids[index], completions], 1),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=completions.shape[1] + 1,
+        ).logits[:, :-1]
+    return (
+        (logits.float() / temperature)
+        .log_softmax(-1)
+        .gather(2, completions.unsqueeze(-1))
+        .squeeze(-1)
+    )
 
 
 def sampler_log_probs(sampler, batch, temperature: float) -> torch.Tensor:
@@ -71,10 +80,17 @@ def sampler_log_probs(sampler, batch, temperature: float) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-name-or-path", default=common.DEFAULT_MODEL)
-    parser.add_argument("--dataset", default=str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"))
+    parser.add_argument(
+        "--dataset",
+        default=str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"),
+    )
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--shots", type=int, default=0,
-                        help="worked examples (GSM8K solutions) before each question, to reach longer positions")
+    parser.add_argument(
+        "--shots",
+        type=int,
+        default=0,
+        help="worked examples (GSM8K solutions) before each question, to reach longer positions",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--perturbation", type=float, default=1e-3)
@@ -93,12 +109,28 @@ def main() -> None:
     else:
         task = tasks.make_addition_task(num_test=args.prompts)
         source = "addition questions"
-    shots = "".join(f"Question: {ex['question']}\nAnswer: {ex.get('solution', '')} #### {ex['answer']}\n\n"
-                    for ex in task.train[: args.shots])
-    prompts = [tokenizer(tasks.build_prompt(tokenizer, shots + ex["question"]), add_special_tokens=False)["input_ids"]
-               for ex in task.test[: args.prompts]]
-    rows, _ = common.generate_completions(policy, prompts, 1, tokenizer, torch.device("cpu"), temperature=args.temperature,
-                                          top_p=1.0, max_new_tokens=args.max_new_tokens, seed_keys=(args.seed,), first=0)
+    shots = "".join(
+        f"Question: {ex['question']}\nAnswer: {ex.get('solution', '')} #### {ex['answer']}\n\n"
+        for ex in task.train[: args.shots]
+    )
+    prompts = [
+        tokenizer(tasks.build_prompt(tokenizer, shots + ex["question"]), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for ex in task.test[: args.prompts]
+    ]
+    rows, _ = common.generate_completions(
+        policy,
+        prompts,
+        1,
+        tokenizer,
+        torch.device("cpu"),
+        temperature=args.temperature,
+        top_p=1.0,
+        max_new_tokens=args.max_new_tokens,
+        seed_keys=(args.seed,),
+        first=0,
+    )
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id)
     T = max(map(len, rows))
     completions = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])
@@ -114,17 +146,26 @@ def main() -> None:
     truth_policy = log_probs(policy, batch, args.temperature, "fp32")
     truth_ref = log_probs(reference, batch, args.temperature, "fp32")
     rows_out = [("float32 (truth)", kl(truth_policy, truth_ref), 0.0, 0.0)]
-    for mode, label in (("bf16_head", "bf16 autocast, bf16 LM head (before)"),
-                        ("fp32_head", "bf16 autocast, float32 LM head and log-softmax (now)")):
-        lp, lr = log_probs(policy, batch, args.temperature, mode), log_probs(reference, batch, args.temperature, mode)
+    for mode, label in (
+        ("bf16_head", "bf16 autocast, bf16 LM head (before)"),
+        ("fp32_head", "bf16 autocast, float32 LM head and log-softmax (now)"),
+    ):
+        lp, lr = (
+            log_probs(policy, batch, args.temperature, mode),
+            log_probs(reference, batch, args.temperature, mode),
+        )
         d = (lp - truth_policy)[valid].abs()
         rows_out.append((label, kl(lp, lr), d.mean().item(), d.max().item()))
 
-    old_sampler = copy.deepcopy(policy).to(torch.bfloat16).eval()  # the old --fast-generation copy: buffers cast too
+    old_sampler = (
+        copy.deepcopy(policy).to(torch.bfloat16).eval()
+    )  # the old --fast-generation copy: buffers cast too
     new_sampler = common.bf16_sampler(policy)
     sampler_rows = []
-    for label, sampler in (("bf16 copy, inv_freq cast to bf16 (before)", old_sampler),
-                           ("bf16 copy, inv_freq float32 (now)", new_sampler)):
+    for label, sampler in (
+        ("bf16 copy, inv_freq cast to bf16 (before)", old_sampler),
+        ("bf16 copy, inv_freq float32 (now)", new_sampler),
+    ):
         d = (sampler_log_probs(sampler, batch, args.temperature) - truth_policy)[valid].abs()
         sampler_rows.append((label, d.mean().item(), d.max().item()))
     inv = dict(policy.named_buffers())
@@ -134,15 +175,26 @@ def main() -> None:
 
     if args.shots:
         source += f" after {args.shots} worked examples"
-    lines = [f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T = "
-             f"{args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions up to {positions}); "
-             f"policy = reference with every weight moved by {args.perturbation} x its tensor's std; "
-             f"torch {torch.__version__}, CPU bf16 autocast.", "",
-             "| log probs | k3 KL per token (mean) | vs. truth: mean abs dlogp | max abs dlogp |", "|-|-|-|-|"]
+    lines = [
+        f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T = "
+        f"{args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions up to {positions}); "
+        f"policy = reference with every weight moved by {args.perturbation} x its tensor's std; "
+        f"torch {torch.__version__}, CPU bf16 autocast.",
+        "",
+        "| log probs | k3 KL per token (mean) | vs. truth: mean abs dlogp | max abs dlogp |",
+        "|-|-|-|-|",
+    ]
     lines += [f"| {label} | {k:.3g} | {m:.3g} | {x:.3g} |" for label, k, m, x in rows_out]
-    lines += ["", "| --fast-generation sampler vs. float32 learner | mean abs dlogp | max abs dlogp |", "|-|-|-|"]
+    lines += [
+        "",
+        "| --fast-generation sampler vs. float32 learner | mean abs dlogp | max abs dlogp |",
+        "|-|-|-|",
+    ]
     lines += [f"| {label} | {m:.3g} | {x:.3g} |" for label, m, x in sampler_rows]
-    lines += ["", f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over frequencies)."]
+    lines += [
+        "",
+        f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over frequencies).",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.out:

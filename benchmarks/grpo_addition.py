@@ -31,13 +31,25 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in open("/proc/cpuinfo")
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else platform.processor()
+    )
     return f"{os.cpu_count()}-core {platform.machine()} CPU VM ({cpu}), no GPU, Python {platform.python_version()}"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "grpo_addition_results.md"))
@@ -46,10 +58,39 @@ def main() -> None:
     opts = parser.parse_args()
 
     run_name = f"grpo_addition_seed{opts.seed}_{int(time.time())}"
-    cmd = [sys.executable, "grpo_lm.py", "--total-steps", str(opts.steps), "--group-size", "8",
-           "--prompts-per-step", "4", "--max-new-tokens", "64", "--learning-rate", "1e-5", "--temperature", "0.7",
-           "--beta", "0.04", "--eval-size", "128", "--eval-every", "10", "--sample-every", "5",
-           "--save-every", "0", "--seed", str(opts.seed), "--runs-dir", opts.runs_dir, "--run-name", run_name, *opts.extra]
+    cmd = [
+        sys.executable,
+        "grpo_lm.py",
+        "--total-steps",
+        str(opts.steps),
+        "--group-size",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--max-new-tokens",
+        "64",
+        "--learning-rate",
+        "1e-5",
+        "--temperature",
+        "0.7",
+        "--beta",
+        "0.04",
+        "--eval-size",
+        "128",
+        "--eval-every",
+        "10",
+        "--sample-every",
+        "5",
+        "--save-every",
+        "0",
+        "--seed",
+        str(opts.seed),
+        "--runs-dir",
+        opts.runs_dir,
+        "--run-name",
+        run_name,
+        *opts.extra,
+    ]
     shown = " ".join(c if c != sys.executable else "python" for c in cmd)
     print(shown, flush=True)
     start = time.time()

@@ -35,17 +35,63 @@ from grpo_addition import (  # same helpers as the addition benchmark
     read_scalars,
 )
 
-COMMON = ["--group-size", "8", "--prompts-per-step", "4", "--learning-rate", "1e-5", "--temperature", "0.7",
-          "--sample-every", "5", "--save-every", "0"]
+COMMON = [
+    "--group-size",
+    "8",
+    "--prompts-per-step",
+    "4",
+    "--learning-rate",
+    "1e-5",
+    "--temperature",
+    "0.7",
+    "--sample-every",
+    "5",
+    "--save-every",
+    "0",
+]
 PRESETS = {
     "outcome": ["--task", "multistep", "--max-new-tokens", "96", "--supervision", "outcome"],
     "process": ["--task", "multistep", "--max-new-tokens", "96", "--supervision", "process"],
     "grpo": ["--task", "addition", "--max-new-tokens", "64"],
-    "dr_grpo": ["--task", "addition", "--max-new-tokens", "64", "--loss-type", "dr_grpo", "--scale-rewards", "none"],
-    "dapo": ["--task", "addition", "--max-new-tokens", "64", "--loss-type", "dapo", "--clip-range-high", "0.28",
-             "--overlong-buffer", "16", "--beta", "0"],
-    "dapo_ds": ["--task", "addition", "--max-new-tokens", "64", "--loss-type", "dapo", "--clip-range-high", "0.28",
-                "--overlong-buffer", "16", "--beta", "0", "--dynamic-sampling"],
+    "dr_grpo": [
+        "--task",
+        "addition",
+        "--max-new-tokens",
+        "64",
+        "--loss-type",
+        "dr_grpo",
+        "--scale-rewards",
+        "none",
+    ],
+    "dapo": [
+        "--task",
+        "addition",
+        "--max-new-tokens",
+        "64",
+        "--loss-type",
+        "dapo",
+        "--clip-range-high",
+        "0.28",
+        "--overlong-buffer",
+        "16",
+        "--beta",
+        "0",
+    ],
+    "dapo_ds": [
+        "--task",
+        "addition",
+        "--max-new-tokens",
+        "64",
+        "--loss-type",
+        "dapo",
+        "--clip-range-high",
+        "0.28",
+        "--overlong-buffer",
+        "16",
+        "--beta",
+        "0",
+        "--dynamic-sampling",
+    ],
 }
 
 
@@ -61,7 +107,9 @@ def summarise(name: str, run_dir: Path, steps: int) -> tuple[str, str] | None:
     acc = s.get("eval/accuracy", [])
     if len(acc) < 2 or acc[-1][0] != steps or "time/generation_s" not in s:
         return None
-    rewards = [v for _, v in s["reward/accuracy"]]  # verifiable accuracy of the samples (comparable across shaping)
+    rewards = [
+        v for _, v in s["reward/accuracy"]
+    ]  # verifiable accuracy of the samples (comparable across shaping)
     step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
     k = max(1, len(rewards) // 3)
     extra = ""
@@ -70,22 +118,47 @@ def summarise(name: str, run_dir: Path, steps: int) -> tuple[str, str] | None:
         extra = f"checked steps correct: {steps[0]:.2f} -> {steps[-1]:.2f}"
     grad = [v for _, v in s.get("optim/grad_norm", [])]
     if grad:
-        extra += ("; " if extra else "") + f"steps with grad norm 0: {sum(g == 0 for g in grad)}/{len(grad)}"
+        extra += (
+            "; " if extra else ""
+        ) + f"steps with grad norm 0: {sum(g == 0 for g in grad)}/{len(grad)}"
     middle = " ".join(f"{v:.3f} (step {t})" for t, v in acc[1:-1])
-    row = (f"| {name} | {acc[0][1]:.3f} | {middle or '-'} | {acc[-1][1]:.3f} (step {acc[-1][0]}) | "
-           f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | {sum(step_s) / len(step_s):.0f} | {extra} |")
+    row = (
+        f"| {name} | {acc[0][1]:.3f} | {middle or '-'} | {acc[-1][1]:.3f} (step {acc[-1][0]}) | "
+        f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | {sum(step_s) / len(step_s):.0f} | {extra} |"
+    )
     return row, f"{name:8s} " + " ".join(f"{r:.2f}" for r in rewards)
 
 
 def command(name: str, opts: argparse.Namespace) -> list[str]:
-    return [sys.executable, "grpo_lm.py", "--total-steps", str(opts.steps), *COMMON, *PRESETS[name],
-            "--eval-size", str(opts.eval_size), "--eval-every", str(opts.eval_every), "--seed", str(opts.seed),
-            "--torch-threads", str(opts.torch_threads), "--runs-dir", opts.runs_dir,
-            "--run-name", run_dir_name(name, opts.steps, opts.seed), *opts.extra]
+    return [
+        sys.executable,
+        "grpo_lm.py",
+        "--total-steps",
+        str(opts.steps),
+        *COMMON,
+        *PRESETS[name],
+        "--eval-size",
+        str(opts.eval_size),
+        "--eval-every",
+        str(opts.eval_every),
+        "--seed",
+        str(opts.seed),
+        "--torch-threads",
+        str(opts.torch_threads),
+        "--runs-dir",
+        opts.runs_dir,
+        "--run-name",
+        run_dir_name(name, opts.steps, opts.seed),
+        *opts.extra,
+    ]
 
 
 def run_dir_of(name: str, opts: argparse.Namespace) -> Path:
-    return Path(opts.reuse[name]) if name in opts.reuse else Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed)
+    return (
+        Path(opts.reuse[name])
+        if name in opts.reuse
+        else Path(opts.runs_dir) / run_dir_name(name, opts.steps, opts.seed)
+    )
 
 
 def report(variants: list[str], opts: argparse.Namespace) -> str:
@@ -93,8 +166,10 @@ def report(variants: list[str], opts: argparse.Namespace) -> str:
     for name in variants:
         shown = " ".join("python" if c == sys.executable else c for c in command(name, opts))
         if name in opts.reuse:
-            shown = (f"the first {opts.steps} steps of {run_dir_of(name, opts).name} (same flags but --total-steps "
-                     f"and --eval-every; its args.json holds them): {shown}")
+            shown = (
+                f"the first {opts.steps} steps of {run_dir_of(name, opts).name} (same flags but --total-steps "
+                f"and --eval-every; its args.json holds them): {shown}"
+            )
         commands.append(f"- {name}: `{shown}`")
         summary = summarise(name, run_dir_of(name, opts), opts.steps)
         if summary is None:
@@ -106,8 +181,10 @@ def report(variants: list[str], opts: argparse.Namespace) -> str:
         "# grpo_lm.py variants on SmolLM2-135M-Instruct",
         "",
         *([opts.note, ""] if opts.note else []),
-        (f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Budget: {opts.steps} steps per run, "
-         f"4 questions x G=8 per step, held-out greedy accuracy on {opts.eval_size} problems."),
+        (
+            f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Budget: {opts.steps} steps per run, "
+            f"4 questions x G=8 per step, held-out greedy accuracy on {opts.eval_size} problems."
+        ),
         "",
         "| variant | held-out accuracy, step 0 | in between | held-out accuracy, end | sample accuracy, first third -> last third | s/step | notes |",
         "|---|---|---|---|---|---|---|",
@@ -127,32 +204,57 @@ def report(variants: list[str], opts: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30, help="--total-steps of every run")
-    parser.add_argument("--variants", default="outcome,process,grpo,dr_grpo,dapo",
-                        help=f"comma-separated presets out of {','.join(PRESETS)}")
+    parser.add_argument(
+        "--variants",
+        default="outcome,process,grpo,dr_grpo,dapo",
+        help=f"comma-separated presets out of {','.join(PRESETS)}",
+    )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--eval-size", type=int, default=128, help="held-out problems for greedy accuracy")
+    parser.add_argument(
+        "--eval-size", type=int, default=128, help="held-out problems for greedy accuracy"
+    )
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--torch-threads", type=int, default=0, help="passed to grpo_lm.py (0 = torch's default)")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0, help="passed to grpo_lm.py (0 = torch's default)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "grpo_variants_results.md"))
     parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "out"))
-    parser.add_argument("--note", default="", help="a paragraph written under the title (e.g. why the budget is small)")
-    parser.add_argument("--report-only", action="store_true",
-                        help="run nothing; write the table from the finished runs of --variants")
-    parser.add_argument("--reuse", nargs="*", default=[], metavar="PRESET=RUN_DIR",
-                        help="read PRESET from an existing run with the same flags and at least --steps steps "
-                             "(the learning rate is constant, so its first --steps steps are this preset's run)")
+    parser.add_argument(
+        "--note",
+        default="",
+        help="a paragraph written under the title (e.g. why the budget is small)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing; write the table from the finished runs of --variants",
+    )
+    parser.add_argument(
+        "--reuse",
+        nargs="*",
+        default=[],
+        metavar="PRESET=RUN_DIR",
+        help="read PRESET from an existing run with the same flags and at least --steps steps "
+        "(the learning rate is constant, so its first --steps steps are this preset's run)",
+    )
     parser.add_argument("extra", nargs="*", help="extra grpo_lm.py flags for every run, after --")
     opts = parser.parse_args()
     bad = [r for r in opts.reuse if "=" not in r or r.split("=", 1)[0] not in PRESETS]
     if bad:
-        parser.error(f"--reuse: expected PRESET=RUN_DIR with a preset out of {','.join(PRESETS)}, got {' '.join(bad)}")
+        parser.error(
+            f"--reuse: expected PRESET=RUN_DIR with a preset out of {','.join(PRESETS)}, got {' '.join(bad)}"
+        )
     opts.reuse = dict(r.split("=", 1) for r in opts.reuse)
     variants = opts.variants.split(",")
     unknown = [v for v in variants if v not in PRESETS]
     if unknown:
-        parser.error(f"--variants: unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}")
+        parser.error(
+            f"--variants: unknown preset(s) {', '.join(unknown)}; choose from {', '.join(PRESETS)}"
+        )
 
     for name in [] if opts.report_only else variants:
         run_dir = run_dir_of(name, opts)
@@ -166,7 +268,9 @@ def main() -> None:
         cmd = command(name, opts)
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=ROOT, check=True)
-        Path(opts.out).write_text(report(variants, opts))  # after every run, so a stopped sweep keeps its rows
+        Path(opts.out).write_text(
+            report(variants, opts)
+        )  # after every run, so a stopped sweep keeps its rows
     text = report(variants, opts)
     Path(opts.out).write_text(text)
     print(text)
