@@ -101,7 +101,9 @@ def main() -> None:
     s = read_scalars(Path(opts.runs_dir) / run_name)
     acc = s["eval/accuracy"]
     rewards = [v for _, v in s["reward/mean"]]
-    step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
+    step_s = [
+        g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"], strict=False)
+    ]
     lengths = [v for _, v in s["completion/length_mean"]]
     k = max(1, len(rewards) // 6)
     lines = [

@@ -113,7 +113,9 @@ def shown(cmd: list[str]) -> str:
 def row(preset: str, run_dir: Path, wall: str) -> str:
     s = read_scalars(run_dir)
     acc = s.get("eval/accuracy", [])
-    step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
+    step_s = [
+        g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"], strict=False)
+    ]
     rewards = [v for _, v in s["reward/mean"]]
     peak = max(v for _, v in s["memory/peak_rss_gb"])
     k = max(1, len(rewards) // 6)

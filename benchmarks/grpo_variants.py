@@ -30,10 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from grpo_addition import (  # same helpers as the addition benchmark
-    machine,
-    read_scalars,
-)
+# the same helpers as the addition benchmark, importable once benchmarks/ is on the path
+from grpo_addition import machine, read_scalars  # noqa: E402
 
 COMMON = [
     "--group-size",
@@ -110,7 +108,9 @@ def summarise(name: str, run_dir: Path, steps: int) -> tuple[str, str] | None:
     rewards = [
         v for _, v in s["reward/accuracy"]
     ]  # verifiable accuracy of the samples (comparable across shaping)
-    step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
+    step_s = [
+        g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"], strict=False)
+    ]
     k = max(1, len(rewards) // 3)
     extra = ""
     if "process/step_reward_mean" in s:

@@ -150,7 +150,7 @@ def run(a: argparse.Namespace) -> None:
     if len(cpus) != len(a.methods):
         sys.exit("error: give one --cpus entry per method")
     running = {}
-    for method, cpu in zip(a.methods, cpus):
+    for method, cpu in zip(a.methods, cpus, strict=True):
         if (OUT / method / "result.json").is_file() and not a.force:
             print(f"{method}: result.json exists, skipped (--force reruns it)")
             continue
@@ -205,7 +205,9 @@ def report(a: argparse.Namespace) -> None:
         reward = [v for _, v in s.get("reward/mean", [])]
         step_s = [
             g + t
-            for (_, g), (_, t) in zip(s.get("time/generation_s", []), s.get("time/training_s", []))
+            for (_, g), (_, t) in zip(
+                s.get("time/generation_s", []), s.get("time/training_s", []), strict=False
+            )
         ]
         gen_s = [v for _, v in s.get("time/generation_s", [])]
         steps = len(reward)

@@ -184,7 +184,9 @@ def addition_reward(completions, answer, **kwargs) -> list[float]:
     """TRL reward function: tasks.outcome_reward (1 when the last number equals the answer), as grpo_lm.py uses."""
     import tasks
 
-    return [tasks.outcome_reward(c, {"answer": a}) for c, a in zip(completions, answer)]
+    return [
+        tasks.outcome_reward(c, {"answer": a}) for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def trl_version() -> str:

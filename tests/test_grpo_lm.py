@@ -543,7 +543,7 @@ def test_masked_positions_never_reach_the_exponent():
             loss.backward()
             out[name] = (loss.detach(), logp.grad.clone(), stats["kl"])
         assert torch.isfinite(out["overflow"][0]), level
-        for a, b in zip(out["overflow"], out["clean"]):
+        for a, b in zip(out["overflow"], out["clean"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -631,7 +631,9 @@ def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_p
         "sampling/logp_diff_mean" not in plain
     )  # the sampler is the trained module on the default path
     mean, worst = fast["sampling/logp_diff_mean"], fast["sampling/logp_diff_max"]
-    assert all(0 < m < 0.1 for m in mean) and all(m <= w < 1.0 for m, w in zip(mean, worst)), (
+    assert all(0 < m < 0.1 for m in mean) and all(
+        m <= w < 1.0 for m, w in zip(mean, worst, strict=True)
+    ), (
         mean,
         worst,
     )

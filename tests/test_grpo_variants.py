@@ -208,7 +208,7 @@ def process_example():
         (2, 0, 1.0),
         (2, 2, 0.0),
     ]  # group 1: rewards 0 | 1, 0
-    seq, end, r = zip(*steps)
+    seq, end, r = zip(*steps, strict=True)
     return torch.tensor(r), torch.tensor(seq), torch.tensor(end)
 
 

@@ -162,7 +162,11 @@ def test_history_matches_the_recording(run, histories):
         if exact:
             assert now[key] == values, key
         else:
-            assert all(close(key, a, b) for a, b in zip(now[key], values)), (key, now[key], values)
+            assert all(close(key, a, b) for a, b in zip(now[key], values, strict=True)), (
+                key,
+                now[key],
+                values,
+            )
 
 
 def test_the_tolerance_tells_a_cpu_apart_from_a_change_of_the_math():

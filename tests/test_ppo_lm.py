@@ -677,7 +677,9 @@ def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_p
         tiny_args(tiny_model_dir, tmp_path, fast_generation=True, tis_cap=2.0), task=digit_task()
     )
     mean, worst = h["sampling/logp_diff_mean"], h["sampling/logp_diff_max"]
-    assert all(0 < m < 0.1 for m in mean) and all(m <= w < 1.0 for m, w in zip(mean, worst)), (
+    assert all(0 < m < 0.1 for m in mean) and all(
+        m <= w < 1.0 for m, w in zip(mean, worst, strict=True)
+    ), (
         mean,
         worst,
     )
