@@ -176,10 +176,10 @@ def main() -> None:
     if args.shots:
         source += f" after {args.shots} worked examples"
     lines = [
-        f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T = "
-        f"{args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions up to {positions}); "
-        f"policy = reference with every weight moved by {args.perturbation} x its tensor's std; "
-        f"torch {torch.__version__}, CPU bf16 autocast.",
+        f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T "
+        f"= {args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions "
+        f"up to {positions}); policy = reference with every weight moved by {args.perturbation} x "
+        f"its tensor's std; torch {torch.__version__}, CPU bf16 autocast.",
         "",
         "| log probs | k3 KL per token (mean) | vs. truth: mean abs dlogp | max abs dlogp |",
         "|-|-|-|-|",
@@ -193,7 +193,8 @@ def main() -> None:
     lines += [f"| {label} | {m:.3g} | {x:.3g} |" for label, m, x in sampler_rows]
     lines += [
         "",
-        f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over frequencies).",
+        f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over "
+        "frequencies).",
     ]
     text = "\n".join(lines)
     print(text)

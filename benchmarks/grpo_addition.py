@@ -117,8 +117,10 @@ def main() -> None:
         "|---|---|",
         f"| held-out greedy accuracy, 128 problems, step {acc[0][0]} | {acc[0][1]:.3f} |",
         *[f"| held-out greedy accuracy, step {st} | {v:.3f} |" for st, v in acc[1:]],
-        f"| mean reward, first {k} steps -> last {k} steps | {sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} |",
-        f"| mean completion length, first {k} -> last {k} steps (tokens) | {sum(lengths[:k]) / k:.1f} -> {sum(lengths[-k:]) / k:.1f} |",
+        f"| mean reward, first {k} steps -> last {k} steps | {sum(rewards[:k]) / k:.3f} -> "
+        f"{sum(rewards[-k:]) / k:.3f} |",
+        f"| mean completion length, first {k} -> last {k} steps (tokens) | "
+        f"{sum(lengths[:k]) / k:.1f} -> {sum(lengths[-k:]) / k:.1f} |",
         f"| seconds per step (generation + training), mean | {sum(step_s) / len(step_s):.1f} |",
         f"| wall time, whole run incl. 4 evaluations and loading | {wall / 60:.1f} min |",
         f"| peak RSS | {peak_rss:.2f} GiB |",

@@ -120,8 +120,9 @@ def row(preset: str, run_dir: Path, wall: str) -> str:
     peak = max(v for _, v in s["memory/peak_rss_gb"])
     k = max(1, len(rewards) // 6)
     return (
-        f"| {preset} | {' -> '.join(f'{v:.3f} (step {t})' for t, v in acc)} | {sum(rewards[:k]) / k:.3f} -> "
-        f"{sum(rewards[-k:]) / k:.3f} | {statistics.median(step_s):.1f} | {peak:.2f} | {wall} |"
+        f"| {preset} | {' -> '.join(f'{v:.3f} (step {t})' for t, v in acc)} | "
+        f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | "
+        f"{statistics.median(step_s):.1f} | {peak:.2f} | {wall} |"
     )
 
 
@@ -160,8 +161,9 @@ def main() -> None:
         "",
         f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}.",
         "",
-        "| preset | held-out greedy accuracy (128 questions) | mean reward, first -> last 5 steps | median "
-        "s/step (generation + training) | peak RSS GiB | wall, with loading and evaluations |",
+        "| preset | held-out greedy accuracy (128 questions) | mean reward, first -> last 5 steps "
+        "| median s/step (generation + training) | peak RSS GiB | wall, with loading and "
+        "evaluations |",
         "|-|-|-|-|-|-|",
     ]
     for preset in PRESETS:

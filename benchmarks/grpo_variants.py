@@ -124,7 +124,8 @@ def summarise(name: str, run_dir: Path, steps: int) -> tuple[str, str] | None:
     middle = " ".join(f"{v:.3f} (step {t})" for t, v in acc[1:-1])
     row = (
         f"| {name} | {acc[0][1]:.3f} | {middle or '-'} | {acc[-1][1]:.3f} (step {acc[-1][0]}) | "
-        f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | {sum(step_s) / len(step_s):.0f} | {extra} |"
+        f"{sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} | "
+        f"{sum(step_s) / len(step_s):.0f} | {extra} |"
     )
     return row, f"{name:8s} " + " ".join(f"{r:.2f}" for r in rewards)
 
@@ -167,8 +168,8 @@ def report(variants: list[str], opts: argparse.Namespace) -> str:
         shown = " ".join("python" if c == sys.executable else c for c in command(name, opts))
         if name in opts.reuse:
             shown = (
-                f"the first {opts.steps} steps of {run_dir_of(name, opts).name} (same flags but --total-steps "
-                f"and --eval-every; its args.json holds them): {shown}"
+                f"the first {opts.steps} steps of {run_dir_of(name, opts).name} (same flags but "
+                f"--total-steps and --eval-every; its args.json holds them): {shown}"
             )
         commands.append(f"- {name}: `{shown}`")
         summary = summarise(name, run_dir_of(name, opts), opts.steps)
@@ -182,11 +183,13 @@ def report(variants: list[str], opts: argparse.Namespace) -> str:
         "",
         *([opts.note, ""] if opts.note else []),
         (
-            f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Budget: {opts.steps} steps per run, "
-            f"4 questions x G=8 per step, held-out greedy accuracy on {opts.eval_size} problems."
+            f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Budget: {opts.steps} steps "
+            f"per run, 4 questions x G=8 per step, held-out greedy accuracy on {opts.eval_size} "
+            "problems."
         ),
         "",
-        "| variant | held-out accuracy, step 0 | in between | held-out accuracy, end | sample accuracy, first third -> last third | s/step | notes |",
+        "| variant | held-out accuracy, step 0 | in between | held-out accuracy, end | sample "
+        "accuracy, first third -> last third | s/step | notes |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
@@ -246,7 +249,8 @@ def main() -> None:
     bad = [r for r in opts.reuse if "=" not in r or r.split("=", 1)[0] not in PRESETS]
     if bad:
         parser.error(
-            f"--reuse: expected PRESET=RUN_DIR with a preset out of {','.join(PRESETS)}, got {' '.join(bad)}"
+            f"--reuse: expected PRESET=RUN_DIR with a preset out of {','.join(PRESETS)}, got "
+            f"{' '.join(bad)}"
         )
     opts.reuse = dict(r.split("=", 1) for r in opts.reuse)
     variants = opts.variants.split(",")

@@ -176,7 +176,8 @@ def run(a: argparse.Namespace) -> None:
         )
         (OUT / method / "result.json").write_text(json.dumps(info, indent=2))
         print(
-            f"{method} finished: exit {proc.returncode}, {info['wall_s']:.0f} s, peak RSS {info['peak_rss_gb']:.2f} GB",
+            f"{method} finished: exit {proc.returncode}, {info['wall_s']:.0f} s, peak RSS "
+            f"{info['peak_rss_gb']:.2f} GB",
             flush=True,
         )
     report(a)
@@ -215,20 +216,23 @@ def report(a: argparse.Namespace) -> None:
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
         rows.append(
             f"| {method.upper()} ({SCRIPTS[method]}) | {steps} | {fmt(before)} -> {fmt(after)} | "
-            f"{' '.join(f'{r:.2f}' for r in reward)} | {sum(reward[-3:]) / max(len(reward[-3:]), 1):.3f} | "
-            f"{sum(step_s) / max(len(step_s), 1):.0f} ({sum(gen_s) / max(len(gen_s), 1):.0f}) | {info['wall_s'] / 60:.1f} | "
-            f"{(info['user_s'] + info['sys_s']) / 60:.1f} | "
+            f"{' '.join(f'{r:.2f}' for r in reward)} | "
+            f"{sum(reward[-3:]) / max(len(reward[-3:]), 1):.3f} | "
+            f"{sum(step_s) / max(len(step_s), 1):.0f} ({sum(gen_s) / max(len(gen_s), 1):.0f}) | "
+            f"{info['wall_s'] / 60:.1f} | {(info['user_s'] + info['sys_s']) / 60:.1f} | "
             f"{info['peak_rss_gb']:.2f} |"
         )
         commands.append(f"    {info['command']}")
         if info.get("returncode") == 130:
             notes.append(
-                f"- {method}: stopped with SIGINT after {steps} of {info['steps']} steps, when this session's CPU "
-                f"budget ran out: no final evaluation, no checkpoint; the steps shown are complete."
+                f"- {method}: stopped with SIGINT after {steps} of {info['steps']} steps, when "
+                "this session's CPU budget ran out: no final evaluation, no checkpoint; the steps "
+                "shown are complete."
             )
         elif info.get("returncode"):
             notes.append(
-                f"- {method}: exited with code {info['returncode']} (see benchmarks/out/ppo_vs_grpo/{method}/log.txt)."
+                f"- {method}: exited with code {info['returncode']} (see "
+                f"benchmarks/out/ppo_vs_grpo/{method}/log.txt)."
             )
     by_method = {}
     for method in ("ppo", "grpo"):
@@ -238,8 +242,8 @@ def report(a: argparse.Namespace) -> None:
     saving = ""
     if len(by_method) == 2:
         saving = (
-            f"\nGRPO's peak RSS is {100 * (1 - by_method['grpo'] / by_method['ppo']):.0f}% below PPO's "
-            f"({by_method['grpo']:.2f} GB vs {by_method['ppo']:.2f} GB).\n"
+            f"\nGRPO's peak RSS is {100 * (1 - by_method['grpo'] / by_method['ppo']):.0f}% below "
+            f"PPO's ({by_method['grpo']:.2f} GB vs {by_method['ppo']:.2f} GB).\n"
         )
     text = "\n".join(
         [
@@ -248,9 +252,9 @@ def report(a: argparse.Namespace) -> None:
             f"Machine: {info_machine or machine()}. Written by `benchmarks/ppo_vs_grpo.py report` "
             f"on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
             "",
-            "| method | steps | held-out greedy accuracy (128), before -> after | reward/mean per step | "
-            "mean reward, last 3 steps | s/step: generation + training (generation) | wall, min (incl. 2 evals, load, save) | "
-            "CPU time, min | peak RSS, GB |",
+            "| method | steps | held-out greedy accuracy (128), before -> after | reward/mean per "
+            "step | mean reward, last 3 steps | s/step: generation + training (generation) | wall, "
+            "min (incl. 2 evals, load, save) | CPU time, min | peak RSS, GB |",
             "|-|-|-|-|-|-|-|-|-|",
             *rows,
             saving,

@@ -540,28 +540,32 @@ def run_loss(a: argparse.Namespace) -> None:
     save_json("loss", result)
 
     print(
-        f"TRL {result['trl_version']}: GRPOTrainer._compute_loss (real TRL code) vs grpo_lm.grpo_loss"
+        f"TRL {result['trl_version']}: GRPOTrainer._compute_loss (real TRL code) vs "
+        "grpo_lm.grpo_loss"
     )
     print(
-        f"  batch: {N} sequences (B={B} x G={G}), completion lengths {result['completion_lengths']}, "
-        f"prompt lengths {sorted(set(result['prompt_lengths']))}"
+        f"  batch: {N} sequences (B={B} x G={G}), completion lengths "
+        f"{result['completion_lengths']}, prompt lengths {sorted(set(result['prompt_lengths']))}"
     )
     print(
         f"  ratio in [{result['ratio_min']:.3f}, {result['ratio_max']:.3f}], "
         f"{result['ratio_outside_clip_fraction']:.1%} of tokens outside 1 +- {a.clip_range}, "
-        f"{result['clipped_token_fraction']:.1%} clipped (objective uses the clipped branch), mean k3 KL {result['mean_kl']:.4f}"
+        f"{result['clipped_token_fraction']:.1%} clipped (objective uses the clipped branch), mean "
+        f"k3 KL {result['mean_kl']:.4f}"
     )
     print(
-        f"  grpo, use_bias_correction_kl=False: loss ours {loss_ours:.8f}   loss TRL {loss_trl:.8f}   "
-        f"|diff| {result['loss_abs_diff']:.2e}"
+        f"  grpo, use_bias_correction_kl=False: loss ours {loss_ours:.8f}   loss TRL "
+        f"{loss_trl:.8f}   |diff| {result['loss_abs_diff']:.2e}"
     )
     print(
-        f"  per-token log probs max |diff| {logp_diff:.2e}; gradients max |diff| {gdiff:.2e} (max |grad| {gnorm:.2e})"
+        f"  per-token log probs max |diff| {logp_diff:.2e}; gradients max |diff| {gdiff:.2e} (max "
+        f"|grad| {gnorm:.2e})"
     )
     print(
-        f"  TRL default use_bias_correction_kl=True: loss {loss_trl_bc:.8f}; vs grpo_lm |loss diff| "
-        f"{result['bc_loss_abs_diff_vs_ours_plain']:.2e}, max |grad diff| {result['bc_grad_max_abs_diff_vs_ours_plain']:.2e} "
-        f"(by design); vs grpo_lm with KL * ratio written out: {result['bc_loss_abs_diff_vs_ours_bc']:.2e}, "
+        f"  TRL default use_bias_correction_kl=True: loss {loss_trl_bc:.8f}; vs grpo_lm |loss "
+        f"diff| {result['bc_loss_abs_diff_vs_ours_plain']:.2e}, max |grad diff| "
+        f"{result['bc_grad_max_abs_diff_vs_ours_plain']:.2e} (by design); vs grpo_lm with KL * "
+        f"ratio written out: {result['bc_loss_abs_diff_vs_ours_bc']:.2e}, "
         f"{result['bc_grad_max_abs_diff_vs_ours_bc']:.2e}"
     )
     for v in variant_rows:
@@ -569,20 +573,21 @@ def run_loss(a: argparse.Namespace) -> None:
             print(f"  {v['name']}: skipped ({v['skipped']})")
         else:
             print(
-                f"  {v['name']} (TRL {v['trl']}): ours {v['loss_ours']:.8f} TRL {v['loss_trl']:.8f} "
-                f"|diff| {v['loss_abs_diff']:.2e}, grad |diff| {v['grad_max_abs_diff']:.2e}"
+                f"  {v['name']} (TRL {v['trl']}): ours {v['loss_ours']:.8f} TRL "
+                f"{v['loss_trl']:.8f} |diff| {v['loss_abs_diff']:.2e}, grad |diff| "
+                f"{v['grad_max_abs_diff']:.2e}"
             )
     for c in adv_cases:
         if "skipped" in c:
             print(f"  advantages scale={c['scale']}: skipped ({c['skipped']})")
         else:
             print(
-                f"  advantages scale_rewards={c['scale']!r} (TRL _generate_and_score_completions vs "
-                f"grpo_lm.group_advantages): max |diff| {c['max_abs_diff']:.2e}"
+                f"  advantages scale_rewards={c['scale']!r} (TRL _generate_and_score_completions "
+                f"vs grpo_lm.group_advantages): max |diff| {c['max_abs_diff']:.2e}"
             )
     print(
-        f"  tolerance {a.tolerance:g} absolute (float32; gradients {a.tolerance:g} x max(1, max |grad|)): "
-        f"{'PASS' if result['passed'] else 'FAIL'}"
+        f"  tolerance {a.tolerance:g} absolute (float32; gradients {a.tolerance:g} x max(1, max "
+        f"|grad|)): {'PASS' if result['passed'] else 'FAIL'}"
     )
     render_results()
     if not result["passed"]:
@@ -811,8 +816,8 @@ def run_speed(a: argparse.Namespace) -> None:
                 }
             )
             print(
-                f"  -> {runs[-1]['s_per_step']:.2f} s/step, {runs[-1]['tokens_per_s']:.1f} completion tokens/s, "
-                f"peak RSS {rss:.2f} GiB, wall {wall:.0f} s",
+                f"  -> {runs[-1]['s_per_step']:.2f} s/step, {runs[-1]['tokens_per_s']:.1f} "
+                f"completion tokens/s, peak RSS {rss:.2f} GiB, wall {wall:.0f} s",
                 flush=True,
             )
 
@@ -873,7 +878,8 @@ def run_speed(a: argparse.Namespace) -> None:
     o, t = result["steps_per_s"], result["peak_cuda_gb" if a.device == "cuda" else "peak_rss_gb"]
     print(
         f"steps/s ours {o['ours']:.3f} TRL {o['trl']:.3f} (x{o['ours'] / o['trl']:.2f}); peak "
-        f"{'CUDA memory' if a.device == 'cuda' else 'RSS'} ours {t['ours']:.2f} GiB TRL {t['trl']:.2f} GiB (x{t['ours'] / t['trl']:.2f})"
+        f"{'CUDA memory' if a.device == 'cuda' else 'RSS'} ours {t['ours']:.2f} GiB TRL "
+        f"{t['trl']:.2f} GiB (x{t['ours'] / t['trl']:.2f})"
     )
     render_results()
 
@@ -970,35 +976,40 @@ def fmt_params(millions: float) -> str:
 READING = [
     "Reading (runs of 2026-11-23, with grpo_lm's shared prompt pass):",
     "",
-    "- Same settings (TRL's activation checkpointing off): on SmolLM2-135M-Instruct grpo_lm is 1.86x faster in "
-    "steps/s at 0.61x TRL's peak RSS (5.4 vs 8.9 GiB). Generation, the same transformers `generate` in both, takes the "
-    "same time; the rest of the step takes 0.43x, mostly because grpo_lm runs each group's prompt through the policy "
-    "and the reference model once, with its keys and values shared by the G completions, where TRL runs each of the G "
-    "whole sequences. On the random tiny models: 1.54x (14M parameters), 1.48x (4M) and 1.31x (23K, where generation "
-    "is 70% of every step in both, so the faster rest of the step shows less).",
-    "- Against TRL's default (activation checkpointing on, which recomputes activations in the backward pass): "
-    "grpo_lm is 1.72x (14M), 1.71x (4M) and 1.45x (23K) faster, still at a lower peak RSS (0.97x, 0.88x, 0.82x).",
-    "- Before the shared prompt pass (same machine, earlier the same day) the SmolLM2 ratio was 1.26x at 0.86x the "
-    "memory, and 0.99x-1.5x on the tiny models.",
-    "- Reward curves (below): two 10-step SmolLM2 pairs, seeds 1 and 2, one run of each trainer per seed. Both start "
-    "near 0.1 (first-3-step means: grpo_lm 0.05 and 0.16, TRL 0.12 and 0.06); over these 10 steps grpo_lm's batch "
-    "reward rose faster in both pairs (last-3-step means 0.32 and 0.51 against TRL's 0.13 and 0.17). Ten steps of 32 "
-    "samples are too few to tell the trainers apart: the longer GPU runs (next section: three seeds, 30 steps, 64 "
-    "tokens) give the same curves within noise. The grpo_lm run of the "
-    "seed-1 pair was slowed by tests run beside it (34.9 s/step).",
-    "- Run to run: the 14M pair, rerun at 07:35 UTC, gave 1.40x where it gave 1.54x at 05:09. TRL's s/step was the "
-    "same both times (4.7-5.0), grpo_lm's rose from 3.1 to 3.5-3.7. This was the machine, not a code change: the "
-    "grpo_lm.py of 05:34 and of 07:35, run back to back with the same command, both took 3.6 s/step. On the tiny "
-    "models, then, grpo_lm is 1.3-1.5x TRL's steps/s on this shared machine, not reliably 1.5x; on SmolLM2 it is "
-    "1.6-1.9x in every pair.",
-    '- TRL\'s own faster-generation switch, `cache_implementation="static"` (`--trl-cache-implementation static`), '
-    "does not change the picture on a CPU, where nothing compiles the static cache: TRL's generation took 12.3 s/step "
-    "on SmolLM2 (11.1-11.5 with its default cache) and 1.41-1.44 s/step on the 14M model (1.34-1.49), and the ratios "
-    "were 1.89x and 1.30x. Not yet run on a GPU, where transformers compiles it.",
+    "- Same settings (TRL's activation checkpointing off): on SmolLM2-135M-Instruct grpo_lm is "
+    "1.86x faster in steps/s at 0.61x TRL's peak RSS (5.4 vs 8.9 GiB). Generation, the same "
+    "transformers `generate` in both, takes the same time; the rest of the step takes 0.43x, "
+    "mostly because grpo_lm runs each group's prompt through the policy and the reference model "
+    "once, with its keys and values shared by the G completions, where TRL runs each of the G "
+    "whole sequences. On the random tiny models: 1.54x (14M parameters), 1.48x (4M) and 1.31x "
+    "(23K, where generation is 70% of every step in both, so the faster rest of the step shows "
+    "less).",
+    "- Against TRL's default (activation checkpointing on, which recomputes activations in the "
+    "backward pass): grpo_lm is 1.72x (14M), 1.71x (4M) and 1.45x (23K) faster, still at a lower "
+    "peak RSS (0.97x, 0.88x, 0.82x).",
+    "- Before the shared prompt pass (same machine, earlier the same day) the SmolLM2 ratio was "
+    "1.26x at 0.86x the memory, and 0.99x-1.5x on the tiny models.",
+    "- Reward curves (below): two 10-step SmolLM2 pairs, seeds 1 and 2, one run of each trainer "
+    "per seed. Both start near 0.1 (first-3-step means: grpo_lm 0.05 and 0.16, TRL 0.12 and 0.06); "
+    "over these 10 steps grpo_lm's batch reward rose faster in both pairs (last-3-step means 0.32 "
+    "and 0.51 against TRL's 0.13 and 0.17). Ten steps of 32 samples are too few to tell the "
+    "trainers apart: the longer GPU runs (next section: three seeds, 30 steps, 64 tokens) give the "
+    "same curves within noise. The grpo_lm run of the seed-1 pair was slowed by tests run beside "
+    "it (34.9 s/step).",
+    "- Run to run: the 14M pair, rerun at 07:35 UTC, gave 1.40x where it gave 1.54x at 05:09. "
+    "TRL's s/step was the same both times (4.7-5.0), grpo_lm's rose from 3.1 to 3.5-3.7. This was "
+    "the machine, not a code change: the grpo_lm.py of 05:34 and of 07:35, run back to back with "
+    "the same command, both took 3.6 s/step. On the tiny models, then, grpo_lm is 1.3-1.5x TRL's "
+    "steps/s on this shared machine, not reliably 1.5x; on SmolLM2 it is 1.6-1.9x in every pair.",
+    '- TRL\'s own faster-generation switch, `cache_implementation="static"` '
+    "(`--trl-cache-implementation static`), does not change the picture on a CPU, where nothing "
+    "compiles the static cache: TRL's generation took 12.3 s/step on SmolLM2 (11.1-11.5 with its "
+    "default cache) and 1.41-1.44 s/step on the 14M model (1.34-1.49), and the ratios were 1.89x "
+    "and 1.30x. Not yet run on a GPU, where transformers compiles it.",
     "- Peak RSS grows over the first steps in both (glibc malloc with varying batch shapes).",
-    "- Noise: on this shared machine the same command can vary by 10-30% in s/step between runs as other jobs' load "
-    "changes; the runs here were made at a load of 0.9-2 on 2 cores, each pinned to core 0 with `taskset -c 0`, "
-    "with a MuJoCo benchmark on core 1.",
+    "- Noise: on this shared machine the same command can vary by 10-30% in s/step between runs as "
+    "other jobs' load changes; the runs here were made at a load of 0.9-2 on 2 cores, each pinned "
+    "to core 0 with `taskset -c 0`, with a MuJoCo benchmark on core 1.",
 ]
 
 
@@ -1006,25 +1017,29 @@ READING = [
 READING_GPU = [
     "Reading (H100 runs of 2026-11-23):",
     "",
-    "- Speed on SmolLM2-135M-Instruct: 1.17x, 1.16x and 0.93x TRL's steps/s (mean 1.09x; 2.45 against 2.62 s/step "
-    "averaged over the three pairs) at 1.02x its peak CUDA memory (5.68 against 5.57 GiB). The 1.5x goal is not met "
-    "on a GPU. Generation, the same eager transformers `generate` in both, is 78-93% of a step (1.7-2.5 s for at most "
-    "64 tokens: ~27-40 ms per token, the cost of launching a 30-layer model's kernels one token at a time), so the "
-    "shared prompt pass that wins on a CPU has little left to win; grpo_lm's rest of the step (0.33-0.48 s) is even "
-    "longer than TRL's (0.19-0.25 s) here. Tiny 14M model: 1.08x at 0.77x the memory.",
-    "- Memory: with the whole batch in one micro-batch (as TRL here) grpo_lm peaks 2% above TRL, which computes its "
-    "log probs through a chunked LM head. grpo_lm's default `--micro-batch-size 8` peaked at 3.71 GiB in the "
-    "README's main job on the same GPU (0.67x TRL's 5.57 GiB here, not a side-by-side run).",
-    "- Next lever, measured in isolation on the same H100 (random SmolLM2-shaped weights, 32 x 64 sampled tokens): "
-    "eager `generate` with float32 weights under bf16 autocast takes 1.8-3.8 s; a bfloat16 copy of the model with a "
-    "static KV cache, which transformers compiles (CUDA graphs), takes 0.26-0.45 s after a one-off 35 s compile, "
-    "for prompt lengths 40-47 and after an in-place weight refresh. grpo_lm.py's `--fast-generation` samples that "
-    "way; it is tested on the CPU only and has not yet been run side by side with TRL on a GPU.",
-    "- Reward curves (below), three seeds, 30 steps: mean batch reward over all steps 0.381, 0.310, 0.474 for "
-    "grpo_lm against 0.366, 0.417, 0.399 for TRL (means 0.388 and 0.394); last 5 steps 0.512, 0.588, 0.606 against "
-    "0.675, 0.644, 0.487. grpo_lm's three seeds span 0.16 and TRL's 0.05 on "
-    "the all-step mean, against a gap of 0.006 between the two means; each trainer is ahead on some seeds (grpo_lm "
-    "on 2 of 3 over all steps, TRL on 2 of 3 over the last 5): the same reward curve within noise.",
+    "- Speed on SmolLM2-135M-Instruct: 1.17x, 1.16x and 0.93x TRL's steps/s (mean 1.09x; 2.45 "
+    "against 2.62 s/step averaged over the three pairs) at 1.02x its peak CUDA memory (5.68 "
+    "against 5.57 GiB). The 1.5x goal is not met on a GPU. Generation, the same eager transformers "
+    "`generate` in both, is 78-93% of a step (1.7-2.5 s for at most 64 tokens: ~27-40 ms per "
+    "token, the cost of launching a 30-layer model's kernels one token at a time), so the shared "
+    "prompt pass that wins on a CPU has little left to win; grpo_lm's rest of the step (0.33-0.48 "
+    "s) is even longer than TRL's (0.19-0.25 s) here. Tiny 14M model: 1.08x at 0.77x the memory.",
+    "- Memory: with the whole batch in one micro-batch (as TRL here) grpo_lm peaks 2% above TRL, "
+    "which computes its log probs through a chunked LM head. grpo_lm's default `--micro-batch-size "
+    "8` peaked at 3.71 GiB in the README's main job on the same GPU (0.67x TRL's 5.57 GiB here, "
+    "not a side-by-side run).",
+    "- Next lever, measured in isolation on the same H100 (random SmolLM2-shaped weights, 32 x 64 "
+    "sampled tokens): eager `generate` with float32 weights under bf16 autocast takes 1.8-3.8 s; a "
+    "bfloat16 copy of the model with a static KV cache, which transformers compiles (CUDA graphs), "
+    "takes 0.26-0.45 s after a one-off 35 s compile, for prompt lengths 40-47 and after an "
+    "in-place weight refresh. grpo_lm.py's `--fast-generation` samples that way; it is tested on "
+    "the CPU only and has not yet been run side by side with TRL on a GPU.",
+    "- Reward curves (below), three seeds, 30 steps: mean batch reward over all steps 0.381, "
+    "0.310, 0.474 for grpo_lm against 0.366, 0.417, 0.399 for TRL (means 0.388 and 0.394); last 5 "
+    "steps 0.512, 0.588, 0.606 against 0.675, 0.644, 0.487. grpo_lm's three seeds span 0.16 and "
+    "TRL's 0.05 on the all-step mean, against a gap of 0.006 between the two means; each trainer "
+    "is ahead on some seeds (grpo_lm on 2 of 3 over all steps, TRL on 2 of 3 over the last 5): the "
+    "same reward curve within noise.",
 ]
 
 
@@ -1063,8 +1078,8 @@ def run_details(rs: list[dict]) -> list[str]:
             f"### {r['model']}, {fmt_params(r['params_m'])} parameters, P={r['P']} x G={r['G']}, "
             f"{r['T']} max tokens, {r['steps']} steps, TRL activation {trl_label(r)}",
             "",
-            f"{r['date']}, TRL {r['trl_version']}, torch {r['torch']}, torch threads {r['torch_threads']}, "
-            f"{r['repeats']} run(s) of each (order alternating); "
+            f"{r['date']}, TRL {r['trl_version']}, torch {r['torch']}, torch threads "
+            f"{r['torch_threads']}, {r['repeats']} run(s) of each (order alternating); "
             + (
                 f"{r['machine']}. Command:"
                 if r.get("device") == "cuda"
@@ -1126,8 +1141,9 @@ def reward_curves(rs: list[dict]) -> list[str]:
         k = 5 if S >= 20 else 3
         lines += [
             "",
-            f"Reward curves, {model}, P={P} x G={G}, {T} max tokens, {S} steps: mean reward (fraction of correct "
-            "completions) of each step's batch, as each trainer logged it. Commands: "
+            f"Reward curves, {model}, P={P} x G={G}, {T} max tokens, {S} steps: mean reward "
+            "(fraction of correct completions) of each step's batch, as each trainer logged it. "
+            "Commands: "
             + "; ".join(f"`{r['command'].strip()}`" for r in sorted(group, key=seed_of))
             + ".",
             "",
@@ -1161,15 +1177,18 @@ def render_results() -> None:
     lines = [
         "# grpo_lm.py vs TRL GRPOTrainer",
         "",
-        "Generated by `benchmarks/trl_compare.py` (raw JSON in `benchmarks/out/trl_compare/`, gitignored; "
-        "re-render with `python benchmarks/trl_compare.py report`). TRL is a benchmark-only peer, installed with "
-        '`pip install "trl==1.16.*" "torch==2.13.0"`, not a requirement of this repository.',
+        "Generated by `benchmarks/trl_compare.py` (raw JSON in `benchmarks/out/trl_compare/`, "
+        "gitignored; re-render with `python benchmarks/trl_compare.py report`). TRL is a "
+        'benchmark-only peer, installed with `pip install "trl==1.16.*" "torch==2.13.0"`, not a '
+        "requirement of this repository.",
         "",
-        f"Machine: {MACHINE}; the GPU section at the end names its own. Python {platform.python_version()}.",
+        f"Machine: {MACHINE}; the GPU section at the end names its own. Python "
+        f"{platform.python_version()}.",
         "",
-        "Caveat: the machine was shared with other engineers' long benchmarks while these ran, so absolute "
-        "timings are indicative only; the two trainers ran back to back (one after the other, same settings, "
-        "same model directory, same thread count) and the ratios are the meaningful numbers.",
+        "Caveat: the machine was shared with other engineers' long benchmarks while these ran, so "
+        "absolute timings are indicative only; the two trainers ran back to back (one after the "
+        "other, same settings, same model directory, same thread count) and the ratios are the "
+        "meaningful numbers.",
         "",
     ]
     loss_path = OUT / "loss.json"
@@ -1182,28 +1201,31 @@ def render_results() -> None:
             "",
             f"    {r['command'].strip()}",
             "",
-            "TRL's actual code was called, not a re-implementation: a real `trl.GRPOTrainer` (GRPOConfig "
-            f'loss_type="grpo", scale_rewards="group", beta={r["beta"]}, epsilon={r["clip_range"]}, '
-            f"num_iterations=1, temperature={r['temperature']}, use_bias_correction_kl=False (see below), "
-            f"use_cpu, no vLLM) around a {r['model']} (tests/conftest.py's `make_tiny_model`) was driven "
-            "through its internals: `_generate_and_score_completions` (generation, reward function, "
-            "group-normalised advantages) and `_compute_loss` (its fused-LM-head log probs at the temperature, "
-            "clipped surrogate, k3 KL, aggregation), with `.backward()` through the model. grpo_lm's side: "
-            "`token_log_probs` on a separately loaded copy of the same weights, then `grpo_loss` (keyword "
-            "arguments), `.backward()`.",
+            "TRL's actual code was called, not a re-implementation: a real `trl.GRPOTrainer` "
+            f'(GRPOConfig loss_type="grpo", scale_rewards="group", beta={r["beta"]}, '
+            f"epsilon={r['clip_range']}, num_iterations=1, temperature={r['temperature']}, "
+            f"use_bias_correction_kl=False (see below), use_cpu, no vLLM) around a {r['model']} "
+            "(tests/conftest.py's `make_tiny_model`) was driven through its internals: "
+            "`_generate_and_score_completions` (generation, reward function, group-normalised "
+            "advantages) and `_compute_loss` (its fused-LM-head log probs at the temperature, "
+            "clipped surrogate, k3 KL, aggregation), with `.backward()` through the model. "
+            "grpo_lm's side: `token_log_probs` on a separately loaded copy of the same weights, "
+            "then `grpo_loss` (keyword arguments), `.backward()`.",
             "",
-            f"Batch: {r['B']} prompts x G={r['G']} = {r['B'] * r['G']} sequences, left-padded prompts of "
-            f"{min(r['prompt_lengths'])}-{max(r['prompt_lengths'])} tokens, completions of lengths "
-            f"{r['completion_lengths']} (max {r['T']}, right-padded after the EOS), advantages from TRL's "
-            f"`_generate_and_score_completions`, pi_old log probs = current + noise so the ratio spans "
-            f"[{r['ratio_min']:.2f}, {r['ratio_max']:.2f}] with {r['ratio_outside_clip_fraction']:.0%} of tokens "
-            f"outside 1 +- {r['clip_range']} ({r['clipped_token_fraction']:.0%} take the clipped branch), "
-            f"reference log probs = current + noise (mean k3 KL {r['mean_kl']:.3f}).",
+            f"Batch: {r['B']} prompts x G={r['G']} = {r['B'] * r['G']} sequences, left-padded "
+            f"prompts of {min(r['prompt_lengths'])}-{max(r['prompt_lengths'])} tokens, completions "
+            f"of lengths {r['completion_lengths']} (max {r['T']}, right-padded after the EOS), "
+            "advantages from TRL's `_generate_and_score_completions`, pi_old log probs = current + "
+            f"noise so the ratio spans [{r['ratio_min']:.2f}, {r['ratio_max']:.2f}] with "
+            f"{r['ratio_outside_clip_fraction']:.0%} of tokens outside 1 +- {r['clip_range']} "
+            f"({r['clipped_token_fraction']:.0%} take the clipped branch), reference log probs = "
+            f"current + noise (mean k3 KL {r['mean_kl']:.3f}).",
             "",
-            "| case (TRL setting) | loss grpo_lm | loss TRL | abs diff | max abs diff of any gradient entry |",
+            "| case (TRL setting) | loss grpo_lm | loss TRL | abs diff | max abs diff of any "
+            "gradient entry |",
             "|-|-|-|-|-|",
-            f'| grpo, DeepSeekMath eq. 3/4 (loss_type="grpo") | {r["loss_ours"]:.8f} | {r["loss_trl"]:.8f} | '
-            f"{r['loss_abs_diff']:.1e} | {r['grad_max_abs_diff']:.1e} |",
+            f'| grpo, DeepSeekMath eq. 3/4 (loss_type="grpo") | {r["loss_ours"]:.8f} | '
+            f"{r['loss_trl']:.8f} | {r['loss_abs_diff']:.1e} | {r['grad_max_abs_diff']:.1e} |",
         ]
         for v in r.get("variants", []):
             if "skipped" in v:
@@ -1215,9 +1237,9 @@ def render_results() -> None:
                 )
         lines += [
             "",
-            f"Largest gradient entry {r['grad_max_abs']:.1e}; per-token log probs (masked) agree to "
-            f"{r['logp_max_abs_diff']:.1e}. grpo_lm's `bnpo` equals `dapo` here because the whole batch is one "
-            "micro-batch (as in TRL with gradient_accumulation_steps=1).",
+            f"Largest gradient entry {r['grad_max_abs']:.1e}; per-token log probs (masked) agree "
+            f"to {r['logp_max_abs_diff']:.1e}. grpo_lm's `bnpo` equals `dapo` here because the "
+            "whole batch is one micro-batch (as in TRL with gradient_accumulation_steps=1).",
             "",
             "| advantages, TRL scale_rewards= | grpo_lm.group_advantages | max abs diff |",
             "|-|-|-|",
@@ -1228,42 +1250,49 @@ def render_results() -> None:
             else:
                 arg = "" if c["scale"] == "group" else f', scale="{c["scale"]}"'
                 lines.append(
-                    f'| "{c["scale"]}" | `group_advantages(rewards, G, eps=1e-4{arg})` | {c["max_abs_diff"]:.1e} |'
+                    f'| "{c["scale"]}" | `group_advantages(rewards, G, eps=1e-4{arg})` | '
+                    f"{c['max_abs_diff']:.1e} |"
                 )
         lines += [
             "",
-            f"Rewards given to TRL through its reward-function interface: {[round(x, 3) for x in r['rewards']]} "
-            "(one binary group, one continuous group, one group of equal rewards).",
+            "Rewards given to TRL through its reward-function interface: "
+            f"{[round(x, 3) for x in r['rewards']]} (one binary group, one continuous group, one "
+            "group of equal rewards).",
             "",
-            f"Tolerance {r['tolerance']:g} absolute (float32; gradients: {r['tolerance']:g} x max(1, largest "
-            f"gradient entry)): **{'pass' if r['passed'] else 'FAIL'}**.",
+            f"Tolerance {r['tolerance']:g} absolute (float32; gradients: {r['tolerance']:g} x "
+            f"max(1, largest gradient entry)): **{'pass' if r['passed'] else 'FAIL'}**.",
             "",
             "Differences by design, or conventions:",
             "",
-            "- KL bias correction: TRL 1.16 defaults to `use_bias_correction_kl=True` (DeepSeek-V3.2): the k3 "
-            "KL of each token is multiplied by the importance ratio pi_theta/pi_old, which changes the KL "
-            "gradient even on-policy (the ratio is differentiable even where it equals 1). DeepSeekMath eq. 3/4, "
-            "and grpo_lm.py, have no ratio on the KL, so the comparison above (and the speed runs below) set it "
-            f"to False. With TRL's default on the same batch: loss {r['loss_trl_default_bias_corrected_kl']:.8f} "
-            f"(grpo_lm {r['loss_ours']:.8f}, diff {r['bc_loss_abs_diff_vs_ours_plain']:.1e}) and max gradient "
-            f"difference {r['bc_grad_max_abs_diff_vs_ours_plain']:.1e}. Writing `KL * ratio` into grpo_lm's "
-            f"formula reproduces TRL's default to {r['bc_loss_abs_diff_vs_ours_bc']:.0e} (loss) and "
-            f"{r['bc_grad_max_abs_diff_vs_ours_bc']:.0e} (gradient): that ratio is the whole difference. (The "
-            "loss value barely moves because beta * KL is small and ratio - 1 averages out; the KL gradient "
-            "is what changes.)",
-            "- TRL's default `loss_type` is \"dapo\" (token sum / tokens in the batch), grpo_lm's default is "
-            '"grpo" (DeepSeekMath\'s per-sequence mean); a side-by-side run must set one to the other.',
-            "- Advantages: both compute `(r - mean_group(r)) / (std + 1e-4)` with the unbiased (Bessel, n - 1) "
-            'std (of the group, or of the batch with "batch"), so a group with equal rewards gets 0 in both. '
-            "TRL's mean/std are NaN-aware (a reward function may return None for a completion; that completion "
-            "is left out of the baseline and gets advantage 0); grpo_lm has no such case. TRL's 1e-4 is "
-            "hard-coded; grpo_lm's is `--adv-eps` (default 1e-4).",
-            "- Positions: TRL's log-prob forward passes no `position_ids` (the model's defaults apply); grpo_lm "
-            "passes positions that count real tokens only, as generation does. With RoPE only position "
-            f"differences matter, so the log probs agree to float rounding ({r['logp_max_abs_diff']:.1e} above, with left-padded "
-            "prompts of different lengths).",
-            "- Prompts: TRL tokenizes plain-text prompts with the tokenizer's default `add_special_tokens=True`, "
-            "grpo_lm with `add_special_tokens=False`; identical for the tokenizers used here (no BOS added).",
+            "- KL bias correction: TRL 1.16 defaults to `use_bias_correction_kl=True` "
+            "(DeepSeek-V3.2): the k3 KL of each token is multiplied by the importance ratio "
+            "pi_theta/pi_old, which changes the KL gradient even on-policy (the ratio is "
+            "differentiable even where it equals 1). DeepSeekMath eq. 3/4, and grpo_lm.py, have no "
+            "ratio on the KL, so the comparison above (and the speed runs below) set it to False. "
+            "With TRL's default on the same batch: loss "
+            f"{r['loss_trl_default_bias_corrected_kl']:.8f} (grpo_lm {r['loss_ours']:.8f}, diff "
+            f"{r['bc_loss_abs_diff_vs_ours_plain']:.1e}) and max gradient difference "
+            f"{r['bc_grad_max_abs_diff_vs_ours_plain']:.1e}. Writing `KL * ratio` into grpo_lm's "
+            f"formula reproduces TRL's default to {r['bc_loss_abs_diff_vs_ours_bc']:.0e} (loss) "
+            f"and {r['bc_grad_max_abs_diff_vs_ours_bc']:.0e} (gradient): that ratio is the whole "
+            "difference. (The loss value barely moves because beta * KL is small and ratio - 1 "
+            "averages out; the KL gradient is what changes.)",
+            "- TRL's default `loss_type` is \"dapo\" (token sum / tokens in the batch), grpo_lm's "
+            'default is "grpo" (DeepSeekMath\'s per-sequence mean); a side-by-side run must set one '
+            "to the other.",
+            "- Advantages: both compute `(r - mean_group(r)) / (std + 1e-4)` with the unbiased "
+            '(Bessel, n - 1) std (of the group, or of the batch with "batch"), so a group with '
+            "equal rewards gets 0 in both. TRL's mean/std are NaN-aware (a reward function may "
+            "return None for a completion; that completion is left out of the baseline and gets "
+            "advantage 0); grpo_lm has no such case. TRL's 1e-4 is hard-coded; grpo_lm's is "
+            "`--adv-eps` (default 1e-4).",
+            "- Positions: TRL's log-prob forward passes no `position_ids` (the model's defaults "
+            "apply); grpo_lm passes positions that count real tokens only, as generation does. "
+            "With RoPE only position differences matter, so the log probs agree to float rounding "
+            f"({r['logp_max_abs_diff']:.1e} above, with left-padded prompts of different lengths).",
+            "- Prompts: TRL tokenizes plain-text prompts with the tokenizer's default "
+            "`add_special_tokens=True`, grpo_lm with `add_special_tokens=False`; identical for the "
+            "tokenizers used here (no BOS added).",
             "",
         ]
     every = [json.loads(path.read_text()) for path in sorted(OUT.glob("speed_*.json"))]
@@ -1279,23 +1308,26 @@ def render_results() -> None:
         lines += [
             "## Speed: side by side on the same machine",
             "",
-            "Both trainers in their own subprocess, one after the other, on the same model directory and "
-            "settings: prompts per step P, G, max completion tokens, lr 1e-5 (constant), temperature 0.7, "
-            "top_p 1 / top_k 0, beta 0.04 (reference model on), epsilon 0.2, one optimizer step per batch "
-            "(grpo_lm mu=1, TRL num_iterations=1), grad-norm clip 1.0, AdamW, the whole batch in one "
-            "forward/backward (grpo_lm `--micro-batch-size` = P*G, TRL per_device_train_batch_size = P*G, "
-            'gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type="grpo", TRL\'s activation '
-            "checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's --gradient-checkpointing is off by default) unless a row says on, "
-            "TRL's default dynamic KV cache unless a row names cache_implementation, the addition "
-            "task's training problems and `tasks.outcome_reward` as the reward. s/step, steps/s and "
-            "completion tokens/s are measured over steps 2..S (from the end of step 1 to the end of step S; "
-            "step 1 is warm-up; model loading and grpo_lm's one-question start/end evaluation fall outside). "
-            "Generation s/step: grpo_lm's logged `time/generation_s`; TRL's `_generate` (tokenize, "
-            "`model.generate`, decode) timed by a wrapper. Peak RSS: each child's own `ru_maxrss` (os.wait4). "
-            "The randomly initialised models almost never answer correctly, so rewards (and advantages) are "
-            "nearly all 0; the work per step (sampling, reference and policy forward, backward, optimizer "
-            "step) does not depend on the reward values. Ratios are grpo_lm / TRL: > 1 means grpo_lm is "
-            "faster for steps/s and tokens/s, and uses more memory for RSS.",
+            "Both trainers in their own subprocess, one after the other, on the same model "
+            "directory and settings: prompts per step P, G, max completion tokens, lr 1e-5 "
+            "(constant), temperature 0.7, top_p 1 / top_k 0, beta 0.04 (reference model on), "
+            "epsilon 0.2, one optimizer step per batch (grpo_lm mu=1, TRL num_iterations=1), "
+            "grad-norm clip 1.0, AdamW, the whole batch in one forward/backward (grpo_lm "
+            "`--micro-batch-size` = P*G, TRL per_device_train_batch_size = P*G, "
+            'gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type="grpo", TRL\'s '
+            "activation checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's "
+            "--gradient-checkpointing is off by default) unless a row says on, TRL's default "
+            "dynamic KV cache unless a row names cache_implementation, the addition task's "
+            "training problems and `tasks.outcome_reward` as the reward. s/step, steps/s and "
+            "completion tokens/s are measured over steps 2..S (from the end of step 1 to the end "
+            "of step S; step 1 is warm-up; model loading and grpo_lm's one-question start/end "
+            "evaluation fall outside). Generation s/step: grpo_lm's logged `time/generation_s`; "
+            "TRL's `_generate` (tokenize, `model.generate`, decode) timed by a wrapper. Peak RSS: "
+            "each child's own `ru_maxrss` (os.wait4). The randomly initialised models almost never "
+            "answer correctly, so rewards (and advantages) are nearly all 0; the work per step "
+            "(sampling, reference and policy forward, backward, optimizer step) does not depend on "
+            "the reward values. Ratios are grpo_lm / TRL: > 1 means grpo_lm is faster for steps/s "
+            "and tokens/s, and uses more memory for RSS.",
             "",
             RUN_COLUMNS
             + " threads | TRL setting | run (UTC) | steps/s ratio | completion tokens/s ratio | "
@@ -1305,9 +1337,9 @@ def render_results() -> None:
         for r in rs:
             sp, tk, rss = r["steps_per_s"], r["tokens_per_s"], r["peak_rss_gb"]
             lines.append(
-                run_cells(r)
-                + f" {r['torch_threads']} | {trl_label(r)} | {r['date']} | {sp['ours'] / sp['trl']:.2f} | "
-                f"{tk['ours'] / tk['trl']:.2f} | {rss['ours'] / rss['trl']:.2f} |"
+                run_cells(r) + f" {r['torch_threads']} | {trl_label(r)} | {r['date']} | "
+                f"{sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | "
+                f"{rss['ours'] / rss['trl']:.2f} |"
             )
         lines += ["", *READING]
         lines += reward_curves(rs)
@@ -1320,11 +1352,12 @@ def render_results() -> None:
             "",
             "## On a GPU: speed and reward curves side by side",
             "",
-            f"Machine: {gpu[0]['machine']}, one process each, alone on the GPU. Same settings as above, except: "
-            "both trainers keep float32 weights, gradients and optimizer state and run every forward pass under "
-            "bfloat16 autocast (TRL `bf16=True`, grpo_lm's default `--bf16`), TF32 on; peak memory is torch's "
-            "peak CUDA allocation (`torch.cuda.max_memory_allocated`) of each child; `--torch-threads 4`. The "
-            "SmolLM2 pairs ran 30 steps with up to 64 new tokens, one pair per seed, grpo_lm first.",
+            f"Machine: {gpu[0]['machine']}, one process each, alone on the GPU. Same settings as "
+            "above, except: both trainers keep float32 weights, gradients and optimizer state and "
+            "run every forward pass under bfloat16 autocast (TRL `bf16=True`, grpo_lm's default "
+            "`--bf16`), TF32 on; peak memory is torch's peak CUDA allocation "
+            "(`torch.cuda.max_memory_allocated`) of each child; `--torch-threads 4`. The SmolLM2 "
+            "pairs ran 30 steps with up to 64 new tokens, one pair per seed, grpo_lm first.",
             "",
             RUN_COLUMNS
             + " seed | steps/s ratio | completion tokens/s ratio | peak CUDA memory ratio | "
@@ -1344,8 +1377,9 @@ def render_results() -> None:
             )
             lines.append(
                 run_cells(r)
-                + f" {seed_of(r)} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | {mem['ours'] / mem['trl']:.2f} "
-                f"({mem['ours']:.2f} / {mem['trl']:.2f} GiB) | {sps['ours']:.2f} / {sps['trl']:.2f} | {gen['ours']:.2f} / {gen['trl']:.2f} |"
+                + f" {seed_of(r)} | {sp['ours'] / sp['trl']:.2f} | {tk['ours'] / tk['trl']:.2f} | "
+                f"{mem['ours'] / mem['trl']:.2f} ({mem['ours']:.2f} / {mem['trl']:.2f} GiB) | "
+                f"{sps['ours']:.2f} / {sps['trl']:.2f} | {gen['ours']:.2f} / {gen['trl']:.2f} |"
             )
         lines += ["", *READING_GPU]
         lines += reward_curves(gpu)
@@ -1400,7 +1434,8 @@ def main() -> None:
             "--device",
             choices=("cpu", "cuda"),
             default="cpu",
-            help="cuda: both train float32 weights under bf16 autocast; peak memory = torch's peak CUDA allocation",
+            help="cuda: both train float32 weights under bf16 autocast; peak memory = torch's peak "
+            "CUDA allocation",
         )
 
     sp = sub.add_parser("speed", help="grpo_lm.py vs TRL GRPOTrainer, back to back")
@@ -1410,7 +1445,8 @@ def main() -> None:
     sp.add_argument(
         "--model-name-or-path",
         default=None,
-        help="use this model instead of a random Llama (e.g. HuggingFaceTB/SmolLM2-135M-Instruct, converted offline)",
+        help="use this model instead of a random Llama (e.g. HuggingFaceTB/SmolLM2-135M-Instruct, "
+        "converted offline)",
     )
     sp.add_argument(
         "--micro-batch-size",
@@ -1427,7 +1463,8 @@ def main() -> None:
     sp.add_argument(
         "--fast-generation",
         action="store_true",
-        help="grpo_lm.py --fast-generation: sample from a bf16 copy with a static, compiled KV cache (GPU)",
+        help="grpo_lm.py --fast-generation: sample from a bf16 copy with a static, compiled KV "
+        "cache (GPU)",
     )
     sp.add_argument(
         "--no-share-prompt",
@@ -1437,13 +1474,15 @@ def main() -> None:
     sp.add_argument(
         "--trl-gradient-checkpointing",
         action="store_true",
-        help="TRL with its default activation checkpointing on (grpo_lm.py's --gradient-checkpointing stays off; default: off)",
+        help="TRL with its default activation checkpointing on (grpo_lm.py's "
+        "--gradient-checkpointing stays off; default: off)",
     )
     sp.add_argument(
         "--trl-cache-implementation",
         choices=("static",),
         default=None,
-        help="TRL GRPOConfig(cache_implementation=...), TRL's own faster-generation switch (default: TRL's default, off)",
+        help="TRL GRPOConfig(cache_implementation=...), TRL's own faster-generation switch "
+        "(default: TRL's default, off)",
     )
 
     ch = sub.add_parser("_trl_child")

@@ -106,8 +106,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "rewards.py").write_text(
         "def ok(completion, example):\n    return 1.0\n\n\ndef raises(completion, example):\n"
         "    raise KeyError('score')\n\n\ndef text(completion, example):\n    return 'high'\n\n\n"
-        "def nan(completion, example):\n    return float('nan')\n\n\ndef huge(completion, example):\n"
-        "    return 1e39\n\n\nnot_callable = 3\n\n\n"
+        "def nan(completion, example):\n    return float('nan')\n\n\n"
+        "def huge(completion, example):\n    return 1e39\n\n\nnot_callable = 3\n\n\n"
         "def task(completion, example):\n    return 0.5\n"
     )
     (root / "syntax.py").write_text("def f(completion, example)\n    return 1\n")
@@ -325,12 +325,14 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     ),
     (
         ["--resume", "{root}/{script}_removed_flag.pt", "--total-steps", "4"],
-        "_removed_flag.pt is not a {script}_lm.py checkpoint of this version (--kl-estimator: not a flag",
+        "_removed_flag.pt is not a {script}_lm.py checkpoint of this version (--kl-estimator: not "
+        "a flag",
         CHEAP,
     ),
     (
         ["--resume", "{root}/{script}_wrong_type.pt", "--total-steps", "4"],
-        "_wrong_type.pt is not a {script}_lm.py checkpoint of this version (--learning-rate: must be a valid number",
+        "_wrong_type.pt is not a {script}_lm.py checkpoint of this version (--learning-rate: must "
+        "be a valid number",
         CHEAP,
     ),
     (["--resume", ""], "--resume: expected a checkpoint file, not an empty path", CHEAP),
@@ -349,7 +351,8 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     ),
     (
         ["--runs-dir", "{root}/runs", "--run-name", "{script}"],
-        "{root}/runs/{script} holds a checkpoint: resume it with --resume {root}/runs/{script}/checkpoint.pt",
+        "{root}/runs/{script} holds a checkpoint: resume it with --resume "
+        "{root}/runs/{script}/checkpoint.pt",
         CHEAP,
     ),
     (["--reward-fn", "{root}/rewards.py:huge"], "rewards.py:huge returned 1e+39", RUN),

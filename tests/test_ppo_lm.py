@@ -429,7 +429,8 @@ def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
     [
         (
             {"kl_estimator": "k3"},
-            "--resume: .* is not a ppo_lm.py checkpoint of this version (--kl-estimator: not a flag of this script)",
+            "--resume: .* is not a ppo_lm.py checkpoint of this version (--kl-estimator: not a "
+            "flag of this script)",
         ),
         (
             {"target_kl": 6.0, "kl_horizon": 100},

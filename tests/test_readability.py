@@ -177,5 +177,6 @@ def weight(script: str) -> tuple[int, int]:
 def test_what_a_user_copies_fits_its_weight_budget(script):
     (total, code), (total_budget, code_budget) = weight(script), WEIGHT_BUDGETS[script]
     assert total <= total_budget and code <= code_budget, (
-        f"{script} with its imports: {total} lines ({code} code), budget {total_budget} ({code_budget})"
+        f"{script} with its imports: {total} lines ({code} code), budget {total_budget} "
+        f"({code_budget})"
     )

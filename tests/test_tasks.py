@@ -115,7 +115,8 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
         ("[1, 2]", r"d.jsonl:2: expected a JSON object \{...\}, got \[1, 2\]"),
         (
             "{not json",
-            r"d.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at column 2\)",
+            r"d.jsonl:2: not valid JSON \(Expecting property name enclosed in double quotes at "
+            r"column 2\)",
         ),
         (
             {"q": "x", "answer": "1"},
@@ -128,7 +129,8 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
         ),
         (
             {"question": "x", "answer": True},
-            r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite number, got true$",
+            r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite "
+            r"number, got true$",
         ),
         (
             {"question": "x", "answer": None},
@@ -140,7 +142,8 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
         ),
         (
             '{"question": "x", "answer": NaN}',
-            r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite number, got NaN$",
+            r"d.jsonl:2: field 'answer' \(the answer\) must be a non-empty string or a finite "
+            r"number, got NaN$",
         ),
         (
             '{"question": "x", "answer": "\\udfff"}',
@@ -260,7 +263,8 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
         task,
         ["3", "4", "5\nx"],
         ex,
-        match=r"^correct_fn of task 'addition' returned str on completion 2 \('5\\nx'\); expected True/False",
+        match=r"^correct_fn of task 'addition' returned str on completion 2 \('5\\nx'\); expected "
+        r"True/False",
     )
     task.correct_fn = lambda c, e: 2
     one_line_error(
@@ -397,12 +401,12 @@ def test_build_prompt_system_prompt_prefill_and_templates_without_a_system_role(
         == "<|system|>Be brief.<|end|><|user|>Q?<|end|><|assistant|><think>"
     )
     rejects = (
-        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-        + CHATML
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}" + CHATML
     )
     drops = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     for template in (
         rejects,
@@ -561,7 +565,8 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
         ),
         (
             f"{good}:nope",
-            r"^--reward-fn .*rewards.py:nope: .*rewards.py has no function 'nope'; it defines: length, is_answer, ",
+            r"^--reward-fn .*rewards.py:nope: .*rewards.py has no function 'nope'; it defines: "
+            r"length, is_answer, ",
         ),
         (
             f"{good}:THRESHOLD",
@@ -619,13 +624,13 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
         ("always", r"returned str on completion 0 \('ok'\)"),
     ]:
         fn = dict(fns)[name]
+        shown = name.title() if name == "always" else name
         one_line_error(
             tasks.score_reward_fns,
             [("length", dict(fns)["length"]), (name, fn)],
             texts,
             exs,
-            match=rf"^reward function {re.escape(str(good))}:{name.title() if name == 'always' else name} "
-            + match,
+            match=rf"^reward function {re.escape(str(good))}:{shown} " + match,
         )
     length = dict(fns)["length"]
     one_line_error(
@@ -634,7 +639,8 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
         ["0123456789"],
         [{}],
         weights=[1.7e308, 1.7e308],
-        match=r"^the weighted rewards sum to inf on completion 0 \('0123456789'\); lower --reward-weights$",
+        match=r"^the weighted rewards sum to inf on completion 0 \('0123456789'\); lower "
+        r"--reward-weights$",
     )
 
 
@@ -649,7 +655,8 @@ def test_a_reward_function_that_exits_or_interrupts_is_one_line_naming_it(tmp_pa
         fns,
         ["ok"],
         [{}],
-        match=rf"^reward function {re.escape(str(path))}:quits raised {error.__name__}: stop on completion 0",
+        match=rf"^reward function {re.escape(str(path))}:quits raised {error.__name__}: stop on "
+        r"completion 0",
     )
     task = tasks.make_addition_task(num_test=4)
     task.correct_fn = fns[0][1]
@@ -864,9 +871,9 @@ def test_countdown_task_is_generated_offline_solvable_and_split():
 
 # the first held-out problem with split_seed 1234; its solution checked by hand: (57 - 12) + (15 * 1) = 45 + 15 = 60
 TEST0 = {
-    "question": "Using the numbers [57, 15, 1, 12] once each with + - * / and parentheses, make 60. Show your reasoning "
-    "in <think> </think> tags, then write only the expression in <answer> </answer> tags, for example "
-    "<answer> (1 + 2) * 3 </answer>.",
+    "question": "Using the numbers [57, 15, 1, 12] once each with + - * / and parentheses, make "
+    "60. Show your reasoning in <think> </think> tags, then write only the expression in <answer> "
+    "</answer> tags, for example <answer> (1 + 2) * 3 </answer>.",
     "answer": "60",
     "numbers": [57, 15, 1, 12],
     "target": 60,
@@ -891,9 +898,10 @@ def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
     assert time.perf_counter() - start < 1.0  # ~1 ms now
     # GSM8K train line 5620, which stalled the old pattern; its two calculations, both right
     text = (
-        "Jack's till has 2 * $100 + 1 * $50 + 5 * $20 + 3 * $10 + 7 * $5 + 27 * $1 bills, or $200 + $50 + $100 + "
-        "$30 + $35 + $27 = $<<2*100+1*50+5*20+3*10+7*5+27*1=442>>442.\nHe's going to leave $300 in the till and "
-        "turn the rest in to the office, so he'll be turning in $442 - $300 = $142.\n#### 142"
+        "Jack's till has 2 * $100 + 1 * $50 + 5 * $20 + 3 * $10 + 7 * $5 + 27 * $1 bills, or $200 "
+        "+ $50 + $100 + $30 + $35 + $27 = $<<2*100+1*50+5*20+3*10+7*5+27*1=442>>442.\nHe's going "
+        "to leave $300 in the till and turn the rest in to the office, so he'll be turning in $442 "
+        "- $300 = $142.\n#### 142"
     )
     first = text.index("=442") + len("=442")
     assert tasks.find_arithmetic_steps(text) == [
