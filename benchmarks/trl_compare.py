@@ -260,7 +260,7 @@ def run_loss(a: argparse.Namespace) -> None:
     trainer.model.train()  # "train" mode code paths of TRL (dropout is 0 in this model anyway)
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop; the loss divides by it
 
-    # ---- 1. advantages: TRL's real _generate_and_score_completions vs grpo_lm.group_advantages ----
+    # ---- 1. advantages: TRL's real _generate_and_score_completions vs group_advantages ----
     rows = [
         {
             "prompt": tasks.build_prompt(tokenizer, f"What is {10 + 7 * i} + {23 + 5 * i}?"),
@@ -411,7 +411,8 @@ def run_loss(a: argparse.Namespace) -> None:
     def grad_diff(g1, g2):
         return max((g1[n] - g2[n]).abs().max().item() for n in g1)
 
-    # ---- 4. the main case: DeepSeekMath eq. 3/4 (TRL loss_type="grpo", token-level ratio, no KL * ratio) ----
+    # ---- 4. the main case: DeepSeekMath eq. 3/4 ----
+    # (TRL loss_type="grpo", token-level ratio, no KL * ratio)
     loss_ours, stats, grads_ours = ours_loss({})
     loss_trl, grads_trl = trl_loss({})
     with torch.no_grad():
@@ -424,11 +425,13 @@ def run_loss(a: argparse.Namespace) -> None:
     grad_tol = a.tolerance * max(1.0, gnorm)
 
     # TRL 1.16's default use_bias_correction_kl=True (DeepSeek-V3.2) multiplies the k3 KL by the
-    # (differentiable) ratio; written out on our side to show that this ratio is the whole difference.
+    # (differentiable) ratio; written out on our side to show that this ratio is the whole
+    # difference.
     loss_trl_bc, grads_trl_bc = trl_loss({}, bias_correction_kl=True)
     loss_ours_bc, _, grads_ours_bc = ours_loss({}, kl_times_ratio=True)
 
-    # ---- 5. the other aggregations / ratios grpo_lm.grpo_loss offers, each against TRL's option of the same name ----
+    # ---- 5. the other aggregations / ratios grpo_lm.grpo_loss offers ----
+    # each against TRL's option of the same name
     variants = [
         ("bnpo", 'loss_type="bnpo"', {"loss_type": "bnpo"}, {"loss_type": "bnpo"}),
         (

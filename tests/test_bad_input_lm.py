@@ -546,8 +546,8 @@ def test_the_table_is_large():
     ],
 )
 def test_torchrun_every_rank_stops_with_one_line(script, argv, message, tmp_path):
-    # every process finds the error before joining the process group; rank 0 prints it, torchrun then reports
-    # the failed processes with its own launcher's traceback, none from our files
+    # every process finds the error before joining the process group; rank 0 prints it, torchrun
+    # then reports the failed processes with its own launcher's traceback, none from our files
     out = torchrun(script, ["--device", "cpu", *argv], cwd=tmp_path)
     err = out.stdout + out.stderr
     lines = [line for line in err.splitlines() if line.startswith("error:")]

@@ -194,8 +194,9 @@ def test_a_resumed_run_log_purges_the_steps_a_killed_run_logged_after_its_checkp
 
 
 def test_a_run_resumed_within_the_same_second_still_shows_each_step_once(tmp_path, monkeypatch):
-    # TensorBoard reads event files in name order and purges only what it has read: names start with the second they
-    # were made in, then host, pid and a per-process counter, so in the same second "...10" sorts before "...9"
+    # TensorBoard reads event files in name order and purges only what it has read: names start with
+    # the second they were made in, then host, pid and a per-process counter, so in the same second
+    # "...10" sorts before "...9"
     from tensorboard.summary.writer import event_file_writer
 
     monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
@@ -220,7 +221,8 @@ class _TrackArgs:
 
 
 def test_track_without_a_wandb_api_key_is_wandbs_own_error_in_one_line(no_wandb_login, tmp_path):
-    # no probe of wandb's internals: wandb.init's own refusal becomes the one line, before any event is written
+    # no probe of wandb's internals: wandb.init's own refusal becomes the one line, before any event
+    # is written
     with pytest.raises(common.UsageError, match=r"^--track: wandb.init failed: .*"):
         run_log(tmp_path / "run", _TrackArgs())
     assert not list((tmp_path / "run").glob("events.out.tfevents.*"))
@@ -279,7 +281,8 @@ def test_atomic_save_removes_the_temporary_files_a_killed_save_left(tmp_path):
 def test_save_pretrained_removes_the_temporary_directories_a_killed_save_left(
     tiny_model_dir, tmp_path
 ):
-    # a kill between save_pretrained's renames leaves .final_model.XXXXXXXX (a whole model), .final_model.old.XXXXXXXX
+    # a kill between save_pretrained's renames leaves .final_model.XXXXXXXX (a whole model),
+    # .final_model.old.XXXXXXXX
     for stale in (
         tmp_path / ".final_model.abc12345",
         tmp_path / ".final_model.old.def_5678" / "final_model",

@@ -54,7 +54,8 @@ def only_run_dir(runs_dir):
 
 
 def test_grpo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
-    # dapo (global token count), mu 2 (stored old log probs, ratio != 1), batch-std advantages (gathered rewards)
+    # dapo (global token count), mu 2 (stored old log probs, ratio != 1), batch-std advantages
+    # (gathered rewards)
     flags = [
         "--model-name-or-path",
         str(tiny_model_dir),
@@ -134,10 +135,11 @@ def test_grpo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path)
 def test_grpo_process_supervision_and_reward_model_training_on_two_processes(
     tiny_model_dir, tiny_reward_model_dir, tmp_path
 ):
-    # process supervision (step rewards gathered for --scale-rewards batch; the random tiny model writes no
-    # checkable equation, so each completion's one step is its final answer, scored by the reward model), the
-    # reward model scoring each process's share, Algorithm 1 with 2 iterations: the reward model is retrained on
-    # every process's samples (gathered) with replay, and the reference is reset to the policy
+    # process supervision (step rewards gathered for --scale-rewards batch; the random tiny model
+    # writes no checkable equation, so each completion's one step is its final answer, scored by the
+    # reward model), the reward model scoring each process's share, Algorithm 1 with 2 iterations:
+    # the reward model is retrained on every process's samples (gathered) with replay, and the
+    # reference is reset to the policy
     flags = [
         "--model-name-or-path",
         str(tiny_model_dir),
@@ -221,7 +223,8 @@ def test_grpo_process_supervision_and_reward_model_training_on_two_processes(
 
 
 def test_ppo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
-    # global advantage and reward whitening, global KL for the adaptive controller, value gradients summed too
+    # global advantage and reward whitening, global KL for the adaptive controller, value gradients
+    # summed too
     flags = [
         "--model-name-or-path",
         str(tiny_model_dir),
@@ -291,7 +294,8 @@ def test_ppo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
 def test_batch_not_divisible_by_the_world_size_is_one_line(script, tmp_path):
-    # what each torchrun worker sees: its environment says 2 processes; the check runs before the process group
+    # what each torchrun worker sees: its environment says 2 processes; the check runs before the
+    # process group
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
     out = subprocess.run(
         [sys.executable, str(ROOT / script), "--prompts-per-step", "3"],
@@ -312,8 +316,8 @@ def test_batch_not_divisible_by_the_world_size_is_one_line(script, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
 def test_nccl_on_one_gpu(script, tiny_model_dir, tmp_path):
-    # the multi-GPU code path (NCCL process group, gradient all-reduce on cuda:LOCAL_RANK, bf16 autocast) on
-    # the one GPU a test machine has; more processes than GPUs are refused in one line
+    # the multi-GPU code path (NCCL process group, gradient all-reduce on cuda:LOCAL_RANK, bf16
+    # autocast) on the one GPU a test machine has; more processes than GPUs are refused in one line
     flags = [
         "--model-name-or-path",
         str(tiny_model_dir),
@@ -346,8 +350,8 @@ def test_nccl_on_one_gpu(script, tiny_model_dir, tmp_path):
 
 
 def test_grpo_lora_two_processes_take_the_same_steps_as_one(tiny_lora_model_dir, tmp_path):
-    # issue 16: --lora-rank under torchrun: only the adapters' gradients are summed; the reference is the policy
-    # with its adapter disabled on every process
+    # issue 16: --lora-rank under torchrun: only the adapters' gradients are summed; the reference
+    # is the policy with its adapter disabled on every process
     flags = [
         "--model-name-or-path",
         str(tiny_lora_model_dir),
@@ -448,7 +452,8 @@ def rank_flags(script: str, model_dir, tmp_path, *flags) -> list[str]:
 def test_a_failure_on_one_process_ends_every_process_with_one_line(
     script, tiny_model_dir, tmp_path
 ):
-    # issue 27: user code that fails on rank 1's share only; rank 0 must not die in a collective (gloo traceback)
+    # issue 27: user code that fails on rank 1's share only; rank 0 must not die in a collective
+    # (gloo traceback)
     flags = rank_flags(
         script,
         tiny_model_dir,
@@ -468,7 +473,8 @@ def test_a_failure_on_one_process_ends_every_process_with_one_line(
 
 
 def test_dynamic_sampling_with_a_reward_function_runs_on_two_processes(tiny_model_dir, tmp_path):
-    # issue 22: the ranks sample different numbers of rounds; reward() all-gathered every round and hung
+    # issue 22: the ranks sample different numbers of rounds; reward() all-gathered every round and
+    # hung
     flags = rank_flags(
         "grpo_lm.py",
         tiny_model_dir,

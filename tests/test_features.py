@@ -193,8 +193,8 @@ def test_ppo_countdown_with_the_think_format(tiny_model_dir, tmp_path):
 
 
 def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
-    # as grpo's test: --eval-only from checkpoint.pt and from final_model gives the last accuracy training logged,
-    # which training moved (so neither can be the untrained model's)
+    # as grpo's test: --eval-only from checkpoint.pt and from final_model gives the last accuracy
+    # training logged, which training moved (so neither can be the untrained model's)
     from test_grpo_lm import digit_task
 
     import ppo_lm
@@ -223,7 +223,8 @@ def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, 
 def test_ppo_track_writes_an_offline_wandb_run(
     tiny_model_dir, tmp_path, monkeypatch, no_wandb_login
 ):
-    # --track in ppo_lm, as in grpo_lm: the config and the synced TensorBoard scalars in wandb's offline run
+    # --track in ppo_lm, as in grpo_lm: the config and the synced TensorBoard scalars in wandb's
+    # offline run
     from test_grpo_lm import digit_task
 
     import ppo_lm
@@ -244,7 +245,8 @@ def test_ppo_track_writes_an_offline_wandb_run(
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
 def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp_path, reward_file):
-    # the same paths with other contents: the data and the reward of the steps left would not be the run's
+    # the same paths with other contents: the data and the reward of the steps left would not be the
+    # run's
     module = __import__(module)
     rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(30)]
     data = tmp_path / "data.jsonl"

@@ -22,7 +22,8 @@ LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
 def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 1.0])
     adv = grpo_lm.group_advantages(rewards, group_size=4, eps=1e-4)
-    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> 0; group 3: mean 1, std sqrt(2/3)
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> 0; group 3: mean 1, std
+    # sqrt(2/3)
     s1, s3 = math.sqrt(1 / 3) + 1e-4, math.sqrt(2 / 3) + 1e-4
     expected = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, 0, 0, 0, 0, 1 / s3, -1 / s3, 0, 0]
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=0, atol=1e-6)
@@ -90,7 +91,8 @@ def test_per_sequence_length_normalisation_and_masking():
         logp, logp, ref, torch.zeros(2), mask, 0.2, beta=1.0, num_sequences=2
     )
     kl_half, kl_two = 0.5 - LOG_HALF - 1, 2 - LOG_2 - 1
-    # eq. 3: 1/G sum_i 1/|o_i| sum_t -> (kl_half / 1 + kl_two / 3) / 2 = 0.14772 (a token mean gives 0.125)
+    # eq. 3: 1/G sum_i 1/|o_i| sum_t -> (kl_half / 1 + kl_two / 3) / 2 = 0.14772 (a token mean gives
+    # 0.125)
     assert loss.item() == pytest.approx((kl_half + kl_two / 3) / 2, abs=1e-6)
 
 
@@ -313,7 +315,8 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
 
 
 def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
-    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights follow the policy
+    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights
+    # follow the policy
     history = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=25, fast_generation=True), task=digit_task()
     )
@@ -434,13 +437,14 @@ def test_raising_reward_function_is_reported_and_saved_work_kept(tiny_model_dir,
 
 @pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True), dict(share_prompt=False)])
 def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, flags):
-    # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared prompt pass
+    # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared
+    # prompt pass
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", beta=0.1), task=digit_task())
     ckpt = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, **flags), task=digit_task()
     )
-    # float32 on the CPU; on CUDA, bf16 autocast rounds the checkpointed whole-sequence pass and the shared
-    # prompt pass differently (measured on an H100: 3e-4 relative on a policy loss of 6e-4)
+    # float32 on the CPU; on CUDA, bf16 autocast rounds the checkpointed whole-sequence pass and the
+    # shared prompt pass differently (measured on an H100: 3e-4 relative on a policy loss of 6e-4)
     tol = dict(rel=2e-3, abs=1e-6) if torch.cuda.is_available() else dict(rel=1e-5, abs=1e-7)
     for key in ("loss/policy", "loss/kl", "optim/grad_norm", "reward/mean"):
         assert ckpt[key] == pytest.approx(plain[key], **tol), key
@@ -472,8 +476,8 @@ def _batch(tok):
 
 @pytest.mark.parametrize("share", [True, False])
 def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_dir, share):
-    # item 4: under bf16 autocast the body may run in bf16, but the LM head and the log-softmax of every log prob
-    # that enters the loss run in float32 (CPU autocast stands in for CUDA's here)
+    # item 4: under bf16 autocast the body may run in bf16, but the LM head and the log-softmax of
+    # every log prob that enters the loss run in float32 (CPU autocast stands in for CUDA's here)
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompt_ids, prompt_mask, index, completions, att = _batch(tok)
@@ -502,7 +506,8 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
 
 
 def test_fast_generation_sampler_casts_parameters_only(tiny_model_dir):
-    # item 5: the bf16 sampler copy keeps float32 buffers (RoPE's inv_freq), as from_pretrained(dtype=bf16) and vLLM do
+    # item 5: the bf16 sampler copy keeps float32 buffers (RoPE's inv_freq), as
+    # from_pretrained(dtype=bf16) and vLLM do
     policy = common.load_model(str(tiny_model_dir))
     sampler = common.bf16_sampler(policy)
     assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
@@ -516,7 +521,8 @@ def test_fast_generation_sampler_casts_parameters_only(tiny_model_dir):
 
 
 def test_masked_positions_never_reach_the_exponent():
-    # item 6: post-EOS positions may hold anything; exp() of their log ratios must not turn the loss into NaN
+    # item 6: post-EOS positions may hold anything; exp() of their log ratios must not turn the loss
+    # into NaN
     logp = torch.tensor([[-1.0, 0.0], [-2.0, -3.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     old = torch.tensor(
@@ -549,7 +555,8 @@ def test_masked_positions_never_reach_the_exponent():
 
 def test_truncated_importance_sampling_weights_the_surrogate():
     # item 4: with a sampler other than the trained module, TIS weights each token's surrogate by
-    # min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL's token_truncate); the KL term is not weighted
+    # min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL's token_truncate); the KL term is not
+    # weighted
     logp = torch.zeros(1, 3, requires_grad=True)  # --mu 1: old = logp.detach(), ratio 1
     sampler = torch.tensor(
         [[-math.log(4.0), math.log(2.0), 0.0]]
@@ -568,7 +575,8 @@ def test_truncated_importance_sampling_weights_the_surrogate():
         tis_cap=2.0,
     )
     loss.backward()
-    # weights min(4, 2) = 2, 0.5, 1: surrogate A * ratio * w per token, mean over the 3 tokens (eq. 3)
+    # weights min(4, 2) = 2, 0.5, 1: surrogate A * ratio * w per token, mean over the 3 tokens
+    # (eq. 3)
     assert loss.item() == pytest.approx(-(2 + 0.5 + 1) / 3)
     torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, -0.5 / 3, -1 / 3]]))
     plain, _ = grpo_lm.grpo_loss(
@@ -644,8 +652,8 @@ def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_p
 # Resume semantics (issue 14)
 # ---------------------------------------------------------------------------------------------
 def test_resume_takes_the_learning_rate_given_again(tiny_model_dir, tmp_path):
-    # the run's saved flags are the defaults; a flag given again takes effect, the learning rate too (the loaded
-    # optimizer state must not win)
+    # the run's saved flags are the defaults; a flag given again takes effect, the learning rate too
+    # (the loaded optimizer state must not win)
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1), task=digit_task())
     ckpt = str(tmp_path / "run" / "checkpoint.pt")
     resumed = grpo_lm.main(
@@ -661,8 +669,8 @@ def test_resume_takes_the_learning_rate_given_again(tiny_model_dir, tmp_path):
 
 
 def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
-    # a run that logged steps 1-3 but whose last checkpoint is step 2 (killed after logging step 3) is resumed:
-    # TensorBoard must show step 3 once, from the resumed run
+    # a run that logged steps 1-3 but whose last checkpoint is step 2 (killed after logging step 3)
+    # is resumed: TensorBoard must show step 3 once, from the resumed run
     full = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=3, save_every=2), task=digit_task()
     )
@@ -684,7 +692,8 @@ def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
 
 
 def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path):
-    # issue 16: loss/entropy, the mean entropy of softmax(logits / T) at the completion tokens in the loss
+    # issue 16: loss/entropy, the mean entropy of softmax(logits / T) at the completion tokens in
+    # the loss
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompt_ids, prompt_mask, index, completions, att = _batch(tok)
@@ -710,7 +719,8 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
 
 
 def test_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
-    # issue 16: --track (CleanRL's convention) syncs the TensorBoard scalars to wandb; offline here, no network
+    # issue 16: --track (CleanRL's convention) syncs the TensorBoard scalars to wandb; offline here,
+    # no network
     monkeypatch.setenv("WANDB_MODE", "offline")
     grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
@@ -738,7 +748,8 @@ def test_track_without_wandb_is_one_line(monkeypatch):
 
 
 def test_eval_only_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
-    # issue 16: --eval-only gives the greedy held-out accuracy of a saved model, as training measured it
+    # issue 16: --eval-only gives the greedy held-out accuracy of a saved model, as training
+    # measured it
     task = digit_task()
     task.correct_fn = lambda completion, example: (
         sum(c.isdigit() for c in completion) >= 3
@@ -778,7 +789,8 @@ def test_eval_only_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_pat
 
 
 def test_k3_is_unbiased_for_kl_policy_to_reference_but_its_gradient_is_that_of_kl_reference_to_policy():
-    # k3_kl's docstring (issue 13 item 7), on one categorical over 5 tokens, sums over tokens in place of samples
+    # k3_kl's docstring (issue 13 item 7), on one categorical over 5 tokens, sums over tokens in
+    # place of samples
     logits = torch.tensor([0.3, -1.2, 2.0, 0.1, -0.4], requires_grad=True)
     ref = torch.tensor([0.0, 0.5, 1.0, -0.5, 0.2]).log_softmax(0)
     logp = logits.log_softmax(0)

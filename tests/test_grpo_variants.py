@@ -157,7 +157,8 @@ def test_gspo_sequence_level_ratio_hand_computed():
     )
     out.backward()
     assert out.item() == pytest.approx(-(s0 - s1) / 2, abs=1e-6)  # -0.310255
-    # d/dlogp_t of s_i = s_i / |o_i|: -(1/2) * s0 / 2 for sequence 0, +(1/2) * s1 / 3 for sequence 1, 0 on padding
+    # d/dlogp_t of s_i = s_i / |o_i|: -(1/2) * s0 / 2 for sequence 0, +(1/2) * s1 / 3 for sequence
+    # 1, 0 on padding
     expected = torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [s1 / 6, s1 / 6, s1 / 6]])
     torch.testing.assert_close(logp.grad, expected)
     assert stats["ratio_max"].item() == pytest.approx(s0, abs=1e-6) and stats[
@@ -329,7 +330,8 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer():
 
 
 # ---------------------------------------------------------------------------------------------
-# Runs on the tiny model: process supervision learns, reference reset, reward model, dynamic sampling
+# Runs on the tiny model: process supervision learns, reference reset, reward model, dynamic
+# sampling
 # ---------------------------------------------------------------------------------------------
 def digit_steps(completion: str, example: dict) -> list[tuple[int, float]]:
     """Every character is a step: reward 1 for a digit, 0 otherwise (a dense, learnable step reward)."""
@@ -397,7 +399,8 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
         ckpt["reward_model"]["score.weight"], initial.state_dict()["score.weight"]
     )
 
-    # interrupt the same run in step 3 (its reward function fails), then resume from the step-2 checkpoint
+    # interrupt the same run in step 3 (its reward function fails), then resume from the step-2
+    # checkpoint
     task, calls = digit_task(), [0]
     digits = task.reward_fn
 
@@ -525,9 +528,11 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tiny_model_dir, 
     )  # same samples
     assert 0 < frac < 1, frac  # some completions hit --max-new-tokens 12, some emitted EOS
     assert plain["loss/tokens"][0] == pytest.approx(length * n)  # every valid token
-    # a truncated completion never emitted EOS, so it is exactly max_new tokens long: all of them leave the loss
+    # a truncated completion never emitted EOS, so it is exactly max_new tokens long: all of them
+    # leave the loss
     assert masked["loss/tokens"][0] == pytest.approx(length * n - frac * n * max_new)
-    # their rewards still shape the group advantages, but only the finished completions carry gradient
+    # their rewards still shape the group advantages, but only the finished completions carry
+    # gradient
     assert (
         masked["reward/mean"] == plain["reward/mean"]
         and masked["optim/grad_norm"] != plain["optim/grad_norm"]
@@ -550,7 +555,8 @@ def test_dapo_flags_run_together(tiny_model_dir, tmp_path):
         ),
         task=digit_task(),
     )
-    # most completions of the untrained model hit --max-new-tokens 12: the overlong penalty pulls the reward down
+    # most completions of the untrained model hit --max-new-tokens 12: the overlong penalty pulls
+    # the reward down
     assert history["completion/frac_truncated"][0] > 0.5 and history["reward/mean"][0] < -0.5
     assert all(math.isfinite(x) for x in history["loss/policy"])
 
@@ -601,8 +607,9 @@ def test_cli_variant_error_is_one_line(tmp_path):
 def test_a_reward_model_trained_from_the_backbone_never_scores_before_its_first_training(
     tiny_model_dir, tmp_path
 ):
-    # item 2: without --reward-model-path the reward model starts with a random score head; iteration 1 is scored
-    # by the verifiable reward it will be trained on, and the reward model scores from iteration 2 on
+    # item 2: without --reward-model-path the reward model starts with a random score head;
+    # iteration 1 is scored by the verifiable reward it will be trained on, and the reward model
+    # scores from iteration 2 on
     kw = {"total_steps": 2, "iterations": 2, "train_reward_model": True, "rm_learning_rate": 1e-2}
     h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, **kw), task=digit_task())
     assert (
@@ -619,7 +626,8 @@ def test_a_reward_model_trained_from_the_backbone_never_scores_before_its_first_
 
 
 def test_resume_refuses_to_move_the_iteration_boundaries(tiny_model_dir, tmp_path):
-    # item 8: --iterations splits --total-steps; a resumed run with another --total-steps would move the boundaries
+    # item 8: --iterations splits --total-steps; a resumed run with another --total-steps would move
+    # the boundaries
     grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=2, iterations=2, save_every=1, beta=0.1),
         task=digit_task(),
@@ -646,8 +654,8 @@ def test_eval_size_zero_means_no_evaluation(tiny_model_dir, tmp_path):
 
 
 def test_dynamic_sampling_keeps_the_reward_functions_own_means(tiny_model_dir, tmp_path):
-    # issue 22: with --dynamic-sampling the reward/<fn>/mean scalars were lost (the merged batch dropped them);
-    # they are the means over the batch that is trained on
+    # issue 22: with --dynamic-sampling the reward/<fn>/mean scalars were lost (the merged batch
+    # dropped them); they are the means over the batch that is trained on
     (tmp_path / "r.py").write_text(
         "def length(completion, example):\n    return float(len(completion) % 3)\n"
     )

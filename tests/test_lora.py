@@ -106,8 +106,9 @@ def test_lora_resume_reproduces_the_uninterrupted_run(tiny_lora_model_dir, tmp_p
 def test_an_adapter_on_a_tied_lm_head_is_saved_alone_resumes_exactly_and_merges(
     tiny_lora_model_dir, tmp_path
 ):
-    # the tiny model, as SmolLM2, ties its LM head to the input embeddings: the head's adapter must adapt the head
-    # only, the checkpoint hold the adapters only (not the frozen shared weight), and final_model be the policy
+    # the tiny model, as SmolLM2, ties its LM head to the input embeddings: the head's adapter must
+    # adapt the head only, the checkpoint hold the adapters only (not the frozen shared weight), and
+    # final_model be the policy
     kw = dict(LORA, lora_target_modules=("q_proj", "lm_head"))
     full = grpo_lm.main(
         tiny_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw),
@@ -151,7 +152,8 @@ def test_an_adapter_on_a_tied_lm_head_is_saved_alone_resumes_exactly_and_merges(
 
 
 def test_lora_with_fast_generation_samples_from_the_current_adapter(tiny_lora_model_dir, tmp_path):
-    # the rewards are those of the bf16 sampler's completions: they only rise if the copy follows the adapters
+    # the rewards are those of the bf16 sampler's completions: they only rise if the copy follows
+    # the adapters
     history = grpo_lm.main(
         tiny_args(tiny_lora_model_dir, tmp_path, total_steps=25, fast_generation=True, **LORA),
         task=digit_task(),

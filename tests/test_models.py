@@ -18,9 +18,10 @@ def _with_generation_config(path, **fields):
 
 
 def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
-    # Trust I item 1: a checkpoint's generation_config.json (here repetition_penalty 1.5, as many instruct models
-    # ship) must not change what `generate` samples from: the ratio and the KL assume softmax(logits / T). The
-    # sampler's own log probs (generate's processed scores) must equal the training pass's.
+    # Trust I item 1: a checkpoint's generation_config.json (here repetition_penalty 1.5, as many
+    # instruct models ship) must not change what `generate` samples from: the ratio and the KL
+    # assume softmax(logits / T). The sampler's own log probs (generate's processed scores) must
+    # equal the training pass's.
     path = _with_generation_config(
         make_tiny_model(tmp_path / "m"),
         repetition_penalty=1.5,
@@ -74,7 +75,8 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
 
 
 def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
-    # the neutral sampling config is for training only: a saved model keeps the settings it came with
+    # the neutral sampling config is for training only: a saved model keeps the settings it came
+    # with
     path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
     model = common.load_model(str(path))
     common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out", str(path))
@@ -98,8 +100,9 @@ def _pad_is_eos_reward_model(path):
 
 
 def test_reward_model_scores_equal_its_own_forward_when_pad_is_eos(tmp_path):
-    # Trust I item 3: transformers' sequence-classification pooling reads the last token that is not the pad token;
-    # with pad == EOS that is the token before the EOS. Our scores must equal the model's own forward on the text.
+    # Trust I item 3: transformers' sequence-classification pooling reads the last token that is not
+    # the pad token; with pad == EOS that is the token before the EOS. Our scores must equal the
+    # model's own forward on the text.
     path = _pad_is_eos_reward_model(tmp_path / "rm")
     rm = common.load_model(str(path), kind="reward").eval()
     tok = common.load_tokenizer(str(path))
@@ -127,7 +130,8 @@ def test_reward_model_scores_equal_its_own_forward_when_pad_is_eos(tmp_path):
 
 
 def test_a_causal_lm_is_not_taken_for_a_reward_model(tiny_model_dir):
-    # Trust II: a plain causal LM loaded as a sequence classifier gets a randomly initialised score head
+    # Trust II: a plain causal LM loaded as a sequence classifier gets a randomly initialised score
+    # head
     with pytest.raises(
         common.UsageError, match=r"--reward-model-path: .* has no trained score head"
     ):
@@ -159,8 +163,9 @@ def test_reward_model_with_a_smaller_vocabulary_is_refused(tiny_model_dir, tmp_p
 
 
 def test_dropout_is_off_everywhere_even_in_train_mode(tmp_path):
-    # Trust I item 11: Llama attention copies config.attention_dropout into a float at construction, which the
-    # config change alone misses; under --gradient-checkpointing the updates run in train mode.
+    # Trust I item 11: Llama attention copies config.attention_dropout into a float at construction,
+    # which the config change alone misses; under --gradient-checkpointing the updates run in train
+    # mode.
     path = make_tiny_model(tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))

@@ -16,7 +16,8 @@ import ppo_lm
 # ---------------------------------------------------------------------------------------------
 # Equations
 # ---------------------------------------------------------------------------------------------
-# A padded batch: sequence 1 has 3 valid tokens, sequence 2 only 1 (its EOS); what follows is garbage.
+# A padded batch: sequence 1 has 3 valid tokens, sequence 2 only 1 (its EOS); what follows is
+# garbage.
 REWARDS = torch.tensor([[0.0, 0.0, 1.0], [0.5, 7.0, 7.0]])
 VALUES = torch.tensor([[0.1, 0.2, 0.3], [0.4, 9.0, 9.0]])
 MASK = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
@@ -24,8 +25,8 @@ MASK = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
 
 def test_gae_and_returns_hand_computed_on_a_padded_batch():
     adv, ret = ppo_lm.gae(REWARDS, VALUES, MASK, gamma=1.0, lam=0.95)
-    # row 1: deltas (t = 2, 1, 0) = 1 - 0.3, 0.3 - 0.2, 0.2 - 0.1; A_1 = 0.1 + 0.95 * 0.7; A_0 = 0.1 + 0.95 * A_1
-    # row 2: the last token is terminal: delta = 0.5 - 0.4, nothing after it counts
+    # row 1: deltas (t = 2, 1, 0) = 1 - 0.3, 0.3 - 0.2, 0.2 - 0.1; A_1 = 0.1 + 0.95 * 0.7; A_0 = 0.1
+    # + 0.95 * A_1 row 2: the last token is terminal: delta = 0.5 - 0.4, nothing after it counts
     torch.testing.assert_close(adv, torch.tensor([[0.82675, 0.765, 0.7], [0.1, 0, 0]]))
     torch.testing.assert_close(ret, torch.tensor([[0.92675, 0.965, 1.0], [0.5, 0, 0]]))
     adv, ret = ppo_lm.gae(REWARDS, VALUES, MASK, gamma=0.9, lam=0.5)
@@ -51,9 +52,10 @@ def test_per_token_reward_layout_kl_everywhere_score_on_the_last_token():
     torch.testing.assert_close(rewards, torch.tensor([[0.0, 0, 2], [-1, 0, 0]]))
 
 
-# A 5-armed bandit: each arm is a one-token completion (T = 1), the task reward is 1 for arm 0 only, the
-# reference is uniform. The KL-regularised objective E[r] - beta * KL(pi || pi_ref) has its optimum at
-# pi*(a) = pi_ref(a) exp(r(a) / beta) / Z: pi*(a0) = e^2 / (e^2 + 4) = 0.649 for beta = 0.5.
+# A 5-armed bandit: each arm is a one-token completion (T = 1), the task reward is 1 for arm 0 only,
+# the reference is uniform. The KL-regularised objective E[r] - beta * KL(pi || pi_ref) has its
+# optimum at pi*(a) = pi_ref(a) exp(r(a) / beta) / Z: pi*(a0) = e^2 / (e^2 + 4) = 0.649 for beta =
+# 0.5.
 BANDIT_REWARD = torch.tensor([1.0, 0, 0, 0, 0])
 BANDIT_REF = torch.full((5, 1), math.log(0.2))
 
@@ -111,7 +113,8 @@ def test_kl_in_the_reward_converges_to_the_regularised_optimum():
 
 def test_k3_as_a_per_token_reward_would_optimise_another_objective():
     # Why ppo_lm offers no k3 in the reward: its expected score-function gradient is
-    # grad KL(pi || ref) - grad KL(ref || pi), so it pushes the rare arms rarer instead of towards pi*.
+    # grad KL(pi || ref) - grad KL(ref || pi), so it pushes the rare arms rarer instead of towards
+    # pi*.
     def k3_reward(logp, ref_logp, beta=0.5):
         return -beta * (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)  # DeepSeekMath eq. 4
 
@@ -232,7 +235,8 @@ def test_loss_is_a_per_sequence_mean_and_micro_batches_add_up():
 
 
 def test_masked_positions_never_reach_the_exponent():
-    # Post-EOS positions hold whatever the forward pass gave there; the loss and its gradients must not see them.
+    # Post-EOS positions hold whatever the forward pass gave there; the loss and its gradients must
+    # not see them.
     g = torch.Generator().manual_seed(0)
     logp, old, adv, v, v_old, ret = (torch.randn(2, 3, generator=g) * 0.3 for _ in range(6))
     adv, ret = adv * MASK, ret * MASK
@@ -255,7 +259,8 @@ def test_masked_positions_never_reach_the_exponent():
         and torch.equal(vg1, vg0)
         and torch.equal(g1 * (1 - MASK), torch.zeros(2, 3))
     )
-    # and in the reward: a log prob of -inf after the EOS (an underflow) leaves the KL and the rewards finite
+    # and in the reward: a log prob of -inf after the EOS (an underflow) leaves the KL and the
+    # rewards finite
     ref = torch.zeros(2, 3)
     rewards, kl = ppo_lm.per_token_rewards(
         torch.tensor([1.0, 2.0]), torch.where(MASK.bool(), logp, -math.inf), ref, MASK, beta=0.1
@@ -309,7 +314,8 @@ def test_values_are_read_at_the_token_before_each_completion_token(tiny_reward_m
     with torch.no_grad():
         values = ppo_lm.token_values(vm, enc["input_ids"], enc["attention_mask"], 3)
         ids = tok(["1+1=2<eos>"], return_tensors="pt", add_special_tokens=False)["input_ids"]
-        # V(s_t) for the completion "=2<eos>" scores the prefix before token t, as the HF classifier pools it
+        # V(s_t) for the completion "=2<eos>" scores the prefix before token t, as the HF classifier
+        # pools it
         expected = torch.cat(
             [vm(input_ids=ids[:, : ids.shape[1] - 3 + t]).logits[:, 0] for t in range(3)]
         )
@@ -352,8 +358,9 @@ def tiny_args(model_dir, tmp_path, **kw) -> ppo_lm.Args:
 
 
 def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
-    # beta 0.01: the KL-regularised optimum tilts each token by exp((1/12) / beta), to ~all digits; with the
-    # default 0.05 the tilt is only exp(1.67) and the reward settles near 0.4 (measured), as it should.
+    # beta 0.01: the KL-regularised optimum tilts each token by exp((1/12) / beta), to ~all digits;
+    # with the default 0.05 the tilt is only exp(1.67) and the reward settles near 0.4 (measured),
+    # as it should.
     history = ppo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01), task=digit_task()
     )
@@ -370,7 +377,8 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
 
 
 def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
-    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights follow the policy
+    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights
+    # follow the policy
     history = ppo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01, fast_generation=True),
         task=digit_task(),
@@ -380,7 +388,8 @@ def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tm
 
 
 def test_missing_eos_penalty_is_subtracted_from_the_score(tiny_model_dir, tmp_path):
-    # TRL's missing_eos_penalty: a positive 1.5 lowers the score of every completion without EOS by 1.5
+    # TRL's missing_eos_penalty: a positive 1.5 lowers the score of every completion without EOS by
+    # 1.5
     h = ppo_lm.main(
         tiny_args(
             tiny_model_dir,
@@ -408,13 +417,15 @@ def test_missing_eos_penalty_must_be_finite_and_non_negative(penalty):
 
 
 def test_kl_estimator_flag_is_gone():
-    # k1 is the only estimator whose per-token reward optimises the KL-regularised objective (the bandit above)
+    # k1 is the only estimator whose per-token reward optimises the KL-regularised objective (the
+    # bandit above)
     with pytest.raises(common.UsageError, match="unrecognized options: --kl-estimator"):
         common.parse_args(ppo_lm.Args, ["--kl-estimator", "k3"])
 
 
 def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
-    # --target-kl stops an update's epochs early in ppo_continuous.py and CleanRL; here the target moves beta
+    # --target-kl stops an update's epochs early in ppo_continuous.py and CleanRL; here the target
+    # moves beta
     for flag in ("--target-kl", "--kl-horizon"):
         with pytest.raises(common.UsageError, match=f"unrecognized options: {flag}"):
             common.parse_args(ppo_lm.Args, [flag, "6"])
@@ -439,7 +450,8 @@ def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
     ],
 )
 def test_resuming_a_run_with_a_removed_flag_is_one_line(saved, message, tmp_path):
-    # a run saved with k3 in the reward, or with the old name of the adaptive KL target, is refused at once
+    # a run saved with k3 in the reward, or with the old name of the adaptive KL target, is refused
+    # at once
     path = tmp_path / "checkpoint.pt"
     torch.save({"args": {**dataclasses.asdict(ppo_lm.Args()), **saved}}, path)
     with pytest.raises(common.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -485,7 +497,8 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
 
 def test_a_beta_given_again_on_resume_takes_effect(tiny_model_dir, tmp_path):
     # a fixed beta is the flag's: --resume with --beta 0.5 trains with 0.5, not the saved 0.05; with
-    # --adaptive-kl-target the controller's saved value continues (the flag set only the run's first beta)
+    # --adaptive-kl-target the controller's saved value continues (the flag set only the run's first
+    # beta)
     kw = dict(
         total_steps=1,
         prompts_per_step=4,
@@ -663,7 +676,8 @@ def test_truncated_importance_sampling_weights_the_surrogate():
 
 
 def test_sampler_mismatch_reads_valid_tokens_only():
-    # with --top-p < 1 the sampler's log probs past the EOS can be -inf (a token outside the nucleus): masked out
+    # with --top-p < 1 the sampler's log probs past the EOS can be -inf (a token outside the
+    # nucleus): masked out
     old = torch.tensor([[-1.0, -2.0, -3.0]])
     sampler = torch.tensor([[-1.5, -2.0, -math.inf]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])

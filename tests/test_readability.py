@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer functions allowed)
+# script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer
+# functions allowed)
 BUDGETS = {  # grpo_lm.main(): issue 22's budget, with lines of at most 100 characters (checked below)
     "grpo_lm.py": ("main", 140, 85, {"grpo_loss": 75, "token_log_probs": 45}),
     "ppo_lm.py": ("main", 130, 85, {}),
@@ -120,8 +121,9 @@ def test_the_banner_covers_plumbing_only(script):
     assert text[: text.index("# TRY NOT TO MODIFY")].count("\n") + 1 > main.end_lineno, script
 
 
-# script: (total lines, code lines) of the script and every module of this repository it imports, transitively (what
-# a user copies to run it; issue 23). Code lines hold a token other than a comment or a newline, docstrings left out.
+# script: (total lines, code lines) of the script and every module of this repository it imports,
+# transitively (what a user copies to run it; issue 23). Code lines hold a token other than a
+# comment or a newline, docstrings left out.
 WEIGHT_BUDGETS = {"ppo_continuous.py": (700, 450)}
 
 

