@@ -1,18 +1,19 @@
-"""How much bf16 rounding moves the log probs that enter GRPO's loss, on the CPU's bf16 autocast (a stand-in for CUDA's).
+"""How much bf16 rounding moves GRPO's log probs, on the CPU's bf16 autocast (CUDA's stand-in).
 
 Issue 13 ("Trust I") items 4 and 5. A policy a hair away from its reference (every weight moved by
---perturbation times its tensor's std, in a fixed random direction) samples completions in float32; then the
-sampled tokens' log probs are computed
+--perturbation times its tensor's std, in a fixed random direction) samples completions in float32;
+then the sampled tokens' log probs are computed
 
   * in float32 (the truth),
   * under bf16 autocast with the model's own head (logits rounded to bf16: the old token_log_probs),
-  * under bf16 autocast with grpo_lm.token_log_probs (body in bf16, LM head and log-softmax in float32),
+  * under bf16 autocast with grpo_lm.token_log_probs (body in bf16, LM head and log-softmax in
+    float32),
 
-and the per-token k3 KL between policy and reference (DeepSeekMath eq. 4) is read off each. The bf16 sampler of
---fast-generation is compared with the float32 learner too, with RoPE's inv_freq cast to bf16 (the old
-`.to(torch.bfloat16)` copy) and kept float32 (common.bf16_sampler).
+and the per-token k3 KL between policy and reference (DeepSeekMath eq. 4) is read off each. The bf16
+sampler of --fast-generation is compared with the float32 learner too, with RoPE's inv_freq cast to
+bf16 (the old `.to(torch.bfloat16)` copy) and kept float32 (common.bf16_sampler).
 
-    python benchmarks/bf16_numerics.py                          # SmolLM2-135M-Instruct, GSM8K questions
+    python benchmarks/bf16_numerics.py              # SmolLM2-135M-Instruct, GSM8K questions
     python benchmarks/bf16_numerics.py --model-name-or-path DIR --prompts 8
 
 Prints a Markdown table (and writes it with --out).
@@ -34,7 +35,8 @@ import tasks  # noqa: E402
 
 
 def perturbed(model, scale: float, seed: int):
-    """A copy of ``model`` with every floating parameter moved by ``scale * std(param)`` in a random direction."""
+    """A copy of ``model`` with every floating parameter moved by ``scale * std(param)`` in a random
+    direction."""
     out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -44,7 +46,8 @@ def perturbed(model, scale: float, seed: int):
 
 
 def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
-    """(N, T) log probs of the sampled tokens: mode 'fp32', 'bf16_head' (autocast, bf16 logits) or 'fp32_head'."""
+    """(N, T) log probs of the sampled tokens: mode 'fp32', 'bf16_head' (autocast, bf16 logits) or
+    'fp32_head'."""
     if mode == "bf16_head":
         return forward_log_probs(model, batch, temperature, autocast=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "fp32_head"):
@@ -52,8 +55,9 @@ def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
 
 
 def forward_log_probs(model, batch, temperature: float, autocast: bool = False) -> torch.Tensor:
-    """(N, T) log probs of the sampled tokens from the model's own forward and head (with ``autocast``, under CPU
-    bf16 autocast), as a sampler computes them; the log-softmax in float32."""
+    """(N, T) log probs of the sampled tokens from the model's own forward and head (with
+    ``autocast``, under CPU bf16 autocast), as a sampler computes them; the log-softmax in
+    float32."""
     prompt_ids, prompt_mask, index, completions, att = batch
     attention_mask = torch.cat([prompt_mask[index], att], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
@@ -73,7 +77,8 @@ def forward_log_probs(model, batch, temperature: float, autocast: bool = False) 
 
 
 def sampler_log_probs(sampler, batch, temperature: float) -> torch.Tensor:
-    """(N, T) log probs under a bf16-weight sampler, computed as it samples (no autocast, bf16 head)."""
+    """(N, T) log probs under a bf16-weight sampler, computed as it samples (no autocast, bf16
+    head)."""
     return forward_log_probs(sampler, batch, temperature)
 
 

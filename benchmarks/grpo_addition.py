@@ -1,6 +1,6 @@
-"""Real run: GRPO on SmolLM2-135M-Instruct, addition task, held-out greedy accuracy before and after.
+"""Real run: GRPO on SmolLM2-135M-Instruct, addition task, held-out greedy accuracy before/after.
 
-    python benchmarks/grpo_addition.py --steps 30            # writes benchmarks/grpo_addition_results.md
+    python benchmarks/grpo_addition.py --steps 30   # writes benchmarks/grpo_addition_results.md
 
 Runs grpo_lm.py as a subprocess with the flags below (plus any extra ones after `--`), then reads
 its TensorBoard scalars and reports accuracy before/after, the reward curve, seconds per step and
@@ -43,7 +43,10 @@ def machine() -> str:
         if os.path.exists("/proc/cpuinfo")
         else platform.processor()
     )
-    return f"{os.cpu_count()}-core {platform.machine()} CPU VM ({cpu}), no GPU, Python {platform.python_version()}"
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} CPU VM ({cpu}), no GPU, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def main() -> None:

@@ -1,20 +1,26 @@
-"""What the issue-16 features do on SmolLM2-135M-Instruct: Countdown before and after GRPO, LoRA against full fine-tuning.
+"""What the issue-16 features do on SmolLM2-135M-Instruct: Countdown before and after GRPO, LoRA
+against full fine-tuning.
 
-    python benchmarks/grpo_features.py countdown                 # held-out solve rate before and after 30 steps
-    python benchmarks/grpo_features.py full lora                 # the addition run, full fine-tuning and LoRA, back to back
-    python benchmarks/grpo_features.py --report-only             # rewrite the tables from finished runs
+    # held-out solve rate before and after 30 steps
+    python benchmarks/grpo_features.py countdown
+    # the addition run, full fine-tuning and LoRA, back to back
+    python benchmarks/grpo_features.py full lora
+    # rewrite the tables from finished runs
+    python benchmarks/grpo_features.py --report-only
 
-Every run uses the budget of the README's main job (30 steps of 4 questions x G = 8 completions, lr 1e-5, T 0.7,
-beta 0.04, held-out greedy accuracy on 128 questions) and changes only what its preset says:
+Every run uses the budget of the README's main job (30 steps of 4 questions x G = 8 completions, lr
+1e-5, T 0.7, beta 0.04, held-out greedy accuracy on 128 questions) and changes only what its preset
+says:
   full       the main job itself (addition, 64 new tokens)
-  lora       the same with --lora-rank 16 (alpha 32, every linear layer but the LM head) and lr 1e-4 (adapters
-             start at zero and need a larger step: LoRA's usual 10x)
-  countdown  --task countdown --answer-format think --format-reward 0.1 --response-prefix "<think>", 128 new
-             tokens (room to reason)
+  lora       the same with --lora-rank 16 (alpha 32, every linear layer but the LM head) and lr
+             1e-4 (adapters start at zero and need a larger step: LoRA's usual 10x)
+  countdown  --task countdown --answer-format think --format-reward 0.1 --response-prefix
+             "<think>", 128 new tokens (room to reason)
 
-Each preset runs grpo_lm.py as a subprocess into benchmarks/out/grpo_features_{preset}_seed{seed}; a rerun skips
-finished runs. Runs made for a timing comparison must not share the machine with other work: run them alone, one
-after the other. The tables, the exact commands and the machine go to --out.
+Each preset runs grpo_lm.py as a subprocess into benchmarks/out/grpo_features_{preset}_seed{seed}; a
+rerun skips finished runs. Runs made for a timing comparison must not share the machine with other
+work: run them alone, one after the other. The tables, the exact commands and the machine go to
+--out.
 """
 
 from __future__ import annotations

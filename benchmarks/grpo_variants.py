@@ -2,15 +2,22 @@
 
     python benchmarks/grpo_variants.py --steps 30                        # all five presets below
     python benchmarks/grpo_variants.py --steps 30 --variants outcome,process
-    python benchmarks/grpo_variants.py --steps 3 --eval-size 32 --torch-threads 1 -- --max-new-tokens 48
-    python benchmarks/grpo_variants.py --steps 30 --report-only          # rewrite the table from finished runs
-    python benchmarks/grpo_variants.py --steps 10 --reuse grpo=benchmarks/out/grpo_addition_seed1_<stamp>  # a longer run's first 10 steps
+    python benchmarks/grpo_variants.py --steps 3 --eval-size 32 --torch-threads 1 \
+        -- --max-new-tokens 48
+    # rewrite the table from finished runs
+    python benchmarks/grpo_variants.py --steps 30 --report-only
+    # a longer run's first 10 steps
+    python benchmarks/grpo_variants.py --steps 10 \
+        --reuse grpo=benchmarks/out/grpo_addition_seed1_<stamp>
 
 Presets (every run shares the flags in COMMON; the rest of the flags are the preset's):
-  outcome, process  --task multistep ("Compute (a + b) * c - d"), outcome vs process supervision (§4.1.2 / §4.1.3)
-  grpo, dr_grpo, dapo   --task addition: paper GRPO; Dr. GRPO (sum / (B * L_max), unscaled advantages);
-                    DAPO (token-level loss, clip-higher 0.28, overlong buffer 16, no KL)
-  dapo_ds           DAPO with dynamic sampling too (more generation per step: not the same sampling budget)
+  outcome, process  --task multistep ("Compute (a + b) * c - d"), outcome vs process
+                    supervision (§4.1.2 / §4.1.3)
+  grpo, dr_grpo, dapo   --task addition: paper GRPO; Dr. GRPO (sum / (B * L_max), unscaled
+                    advantages); DAPO (token-level loss, clip-higher 0.28, overlong buffer 16,
+                    no KL)
+  dapo_ds           DAPO with dynamic sampling too (more generation per step: not the same
+                    sampling budget)
 
 Each preset runs grpo_lm.py as a subprocess into a run directory named by preset, steps and seed; a
 rerun skips the runs that finished, so two invocations with different --variants can share the cores
@@ -99,7 +106,8 @@ def run_dir_name(name: str, steps: int, seed: int) -> str:
 
 
 def summarise(name: str, run_dir: Path, steps: int) -> tuple[str, str] | None:
-    """(table row, reward curve) of the first ``steps`` steps of a run, or None while it has not evaluated step ``steps``."""
+    """(table row, reward curve) of the first ``steps`` steps of a run, or None while it has not
+    evaluated step ``steps``."""
     s = read_scalars(run_dir) if run_dir.exists() else {}
     s = {tag: [(t, v) for t, v in values if t <= steps] for tag, values in s.items()}
     acc = s.get("eval/accuracy", [])

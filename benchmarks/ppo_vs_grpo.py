@@ -15,7 +15,8 @@ One at a time, when cores free up at different moments:
 The table from the runs that finished (nothing is re-run), into benchmarks/ppo_vs_grpo_results.md:
     python benchmarks/ppo_vs_grpo.py report
 
-Raw output (logs, result.json, TensorBoard runs, checkpoints) goes to benchmarks/out/ppo_vs_grpo/ (gitignored).
+Raw output (logs, result.json, TensorBoard runs, checkpoints) goes to benchmarks/out/ppo_vs_grpo/
+(gitignored).
 """
 
 from __future__ import annotations

@@ -17,14 +17,18 @@ sequence-level (GSPO) ratio, as far as grpo_lm.grpo_loss offers them. Exit code 
 Speed: grpo_lm.py (its CLI, in a subprocess) and TRL GRPOTrainer (in a subprocess), one after the
 other on the same model directory and settings; steps/s and completion tokens/s over steps 2..S
 (step 1 is warm-up), peak RSS of each child (os.wait4). TRL's activation checkpointing (on by
-default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py's --gradient-checkpointing is off too:
+default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py's
+--gradient-checkpointing is off too:
     python benchmarks/trl_compare.py speed --layers 4 --hidden 256 --steps 8 --repeats 2
-    python benchmarks/trl_compare.py speed --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct \
+    python benchmarks/trl_compare.py speed \
+        --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct \
         --steps 3 --prompts-per-step 2 --group-size 4        # the real model, when the CPU is free
     python benchmarks/trl_compare.py speed --device cuda --torch-threads 4 \
-        --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct --steps 30 --max-new-tokens 64 --seed 1
-On ``--device cuda`` both trainers keep float32 weights under bf16 autocast and peak memory is torch's
-peak CUDA allocation; ``--fast-generation`` and ``--no-share-prompt`` pass those flags to grpo_lm.py.
+        --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct --steps 30 --max-new-tokens 64 \
+        --seed 1
+On ``--device cuda`` both trainers keep float32 weights under bf16 autocast and peak memory is
+torch's peak CUDA allocation; ``--fast-generation`` and ``--no-share-prompt`` pass those flags to
+grpo_lm.py.
 
 Both subcommands write JSON to benchmarks/out/trl_compare/ (gitignored) and re-render
 benchmarks/trl_compare_results.md from every JSON there (``report`` only re-renders).
@@ -57,7 +61,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # shared helpers
 # ----------------------------------------------------------------------------------------------
 def make_model_dir(path: Path, layers: int, hidden: int, seed: int = 0) -> Path:
-    """A randomly initialised Llama with the character tokenizer of tests/conftest.py, saved offline.
+    """A randomly initialised Llama with the character tokenizer of tests/conftest.py, saved
+    offline.
 
     ``layers=2, hidden=32`` is exactly conftest's ``make_tiny_model``; other sizes use the same
     tokenizer and config recipe with heads of 64 dimensions and an MLP of 4 x hidden.
@@ -118,12 +123,14 @@ def grpo_config(
     device: str = "cpu",
     cache_implementation: str | None = None,
 ):
-    """GRPOConfig matching grpo_lm.py's algorithm: DeepSeekMath GRPO, one update per generation batch.
+    """GRPOConfig matching grpo_lm.py's algorithm: DeepSeekMath GRPO, one update per generation
+    batch.
 
-    TRL 1.16 defaults to activation (gradient) checkpointing on; grpo_lm.py defaults to off, so it is off
-    unless ``gradient_checkpointing`` is set. On ``device="cuda"`` both train float32 weights under
-    bfloat16 autocast (TRL ``bf16=True``, grpo_lm's default ``--bf16``). ``cache_implementation``
-    is TRL's own switch for faster transformers generation (e.g. ``"static"``); default: off, as in TRL.
+    TRL 1.16 defaults to activation (gradient) checkpointing on; grpo_lm.py defaults to off, so it
+    is off unless ``gradient_checkpointing`` is set. On ``device="cuda"`` both train float32 weights
+    under bfloat16 autocast (TRL ``bf16=True``, grpo_lm's default ``--bf16``).
+    ``cache_implementation`` is TRL's own switch for faster transformers generation (e.g.
+    ``"static"``); default: off, as in TRL.
     """
     from trl import GRPOConfig
 
@@ -139,7 +146,8 @@ def grpo_config(
         epsilon=clip_range,
         num_iterations=1,
         importance_sampling_level="token",
-        use_bias_correction_kl=False,  # TRL 1.16 defaults to True (KL * ratio, DeepSeek-V3.2); eq. 4 has no ratio
+        # TRL 1.16 defaults to True (KL * ratio, DeepSeek-V3.2); eq. 4 has no ratio
+        use_bias_correction_kl=False,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=1,  # one optimizer step per batch
         num_generations=group_size,
@@ -166,7 +174,8 @@ def grpo_config(
 
 
 def addition_dataset(tokenizer, eval_size: int = 128):
-    """tasks.make_addition_task's training problems as a TRL dataset (prompt text built as grpo_lm.py builds it)."""
+    """tasks.make_addition_task's training problems as a TRL dataset (prompt text built as
+    grpo_lm.py builds it)."""
     from datasets import Dataset
 
     import tasks
@@ -181,7 +190,8 @@ def addition_dataset(tokenizer, eval_size: int = 128):
 
 
 def addition_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL reward function: tasks.outcome_reward (1 when the last number equals the answer), as grpo_lm.py uses."""
+    """TRL reward function: tasks.outcome_reward (1 when the last number equals the answer), as
+    grpo_lm.py uses."""
     import tasks
 
     return [
@@ -358,7 +368,8 @@ def run_loss(a: argparse.Namespace) -> None:
     }
 
     def ours_loss(kwargs: dict, kl_times_ratio: bool = False):
-        """grpo_lm.token_log_probs + grpo_lm.grpo_loss (keyword arguments); returns (loss, stats, grads)."""
+        """grpo_lm.token_log_probs + grpo_lm.grpo_loss (keyword arguments); returns (loss, stats,
+        grads)."""
         ours_model.zero_grad(set_to_none=True)
         logp = grpo_lm.token_log_probs(ours_model, *ours_inputs, a.temperature)
         if (
@@ -391,7 +402,8 @@ def run_loss(a: argparse.Namespace) -> None:
         )
 
     def trl_loss(attrs: dict, bias_correction_kl: bool = False):
-        """TRL's own GRPOTrainer._compute_loss with trainer attributes set from ``attrs``; returns (loss, grads)."""
+        """TRL's own GRPOTrainer._compute_loss with trainer attributes set from ``attrs``; returns
+        (loss, grads)."""
         saved = {k: getattr(trainer, k) for k in attrs}
         for k, v in attrs.items():
             setattr(trainer, k, v)
@@ -601,7 +613,8 @@ def run_loss(a: argparse.Namespace) -> None:
 # speed
 # ----------------------------------------------------------------------------------------------
 def run_child(cmd: list[str], env: dict) -> tuple[int, float, float]:
-    """Run ``cmd``; return (exit code, wall seconds, peak RSS GiB of that child alone, via os.wait4)."""
+    """Run ``cmd``; return (exit code, wall seconds, peak RSS GiB of that child alone, via
+    os.wait4)."""
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -641,7 +654,8 @@ def ours_metrics(run_dir: Path, N: int) -> dict:
 
 
 def steady(metrics: dict) -> dict:
-    """steps/s and completion tokens/s over steps 2..S (the interval between the ends of step 1 and step S)."""
+    """steps/s and completion tokens/s over steps 2..S (the interval between the ends of step 1 and
+    step S)."""
     t, toks = metrics["step_end_times"], metrics["completion_tokens"]
     if len(t) < 2:
         raise SystemExit("need --steps >= 2: step 1 is warm-up")
@@ -1051,11 +1065,15 @@ RUN_COLUMNS = "| model | params | P x G | max tokens | steps x runs each |"
 
 def run_cells(r: dict) -> str:
     """The RUN_COLUMNS cells of a result: what was trained, and how long."""
-    return f"| {r['model']} | {fmt_params(r['params_m'])} | {r['P']} x {r['G']} | {r['T']} | {r['steps']} x {r['repeats']} |"
+    return (
+        f"| {r['model']} | {fmt_params(r['params_m'])} | {r['P']} x {r['G']} | {r['T']} | "
+        f"{r['steps']} x {r['repeats']} |"
+    )
 
 
 def trl_label(r: dict) -> str:
-    """TRL's settings that differ between rows: activation checkpointing, and its generation cache switch."""
+    """TRL's settings that differ between rows: activation checkpointing, and its generation cache
+    switch."""
     gc = (
         "checkpointing on (TRL's default)"
         if r.get("trl_gradient_checkpointing")
@@ -1128,7 +1146,8 @@ def seed_of(r: dict) -> int:
 
 
 def reward_curves(rs: list[dict]) -> list[str]:
-    """One table per setting (model, P, G, tokens, steps, device) of the batch reward of every run, seeds side by side."""
+    """One table per setting (model, P, G, tokens, steps, device) of the batch reward of every run,
+    seeds side by side."""
     lines, settings = [], {}
     for r in rs:  # a pretrained model answers some questions, so its reward curve means something
         if r["steps"] >= 8 and "reward_mean" in r["runs"][0] and "SmolLM2" in r["model"]:
@@ -1281,8 +1300,8 @@ def render_results() -> None:
             "difference. (The loss value barely moves because beta * KL is small and ratio - 1 "
             "averages out; the KL gradient is what changes.)",
             "- TRL's default `loss_type` is \"dapo\" (token sum / tokens in the batch), grpo_lm's "
-            'default is "grpo" (DeepSeekMath\'s per-sequence mean); a side-by-side run must set one '
-            "to the other.",
+            'default is "grpo" (DeepSeekMath\'s per-sequence mean); a side-by-side run must set '
+            "one to the other.",
             "- Advantages: both compute `(r - mean_group(r)) / (std + 1e-4)` with the unbiased "
             '(Bessel, n - 1) std (of the group, or of the batch with "batch"), so a group with '
             "equal rewards gets 0 in both. TRL's mean/std are NaN-aware (a reward function may "
@@ -1317,8 +1336,8 @@ def render_results() -> None:
             "epsilon 0.2, one optimizer step per batch (grpo_lm mu=1, TRL num_iterations=1), "
             "grad-norm clip 1.0, AdamW, the whole batch in one forward/backward (grpo_lm "
             "`--micro-batch-size` = P*G, TRL per_device_train_batch_size = P*G, "
-            'gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type="grpo", TRL\'s '
-            "activation checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's "
+            'gradient_accumulation_steps=1), use_bias_correction_kl=False, loss_type="grpo", '
+            "TRL's activation checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's "
             "--gradient-checkpointing is off by default) unless a row says on, TRL's default "
             "dynamic KV cache unless a row names cache_implementation, the addition task's "
             "training problems and `tasks.outcome_reward` as the reward. s/step, steps/s and "

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny randomly initialised models and a character-level tokenizer, built offline."""
+"""Shared fixtures: tiny randomly initialised models and a character-level tokenizer, built
+offline."""
 
 import os
 import signal
@@ -41,8 +42,9 @@ def make_tiny_model(
 ) -> Path:
     """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path``.
 
-    ``init_std``: the weights' initial std (transformers' default 0.02 gives this tiny model logits within about
-    +-0.6, a scale that only its embeddings and norms can grow; LoRA, which leaves them frozen, needs ~0.2).
+    ``init_std``: the weights' initial std (transformers' default 0.02 gives this tiny model logits
+    within about +-0.6, a scale that only its embeddings and norms can grow; LoRA, which leaves them
+    frozen, needs ~0.2).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
@@ -75,8 +77,8 @@ def make_tiny_model(
 def torchrun(
     script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, timeout: float = 300, **env
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout and stderr kept.
-    A run still going after ``timeout`` seconds (a hang) fails the test."""
+    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout
+    and stderr kept. A run still going after ``timeout`` seconds (a hang) fails the test."""
     cmd = [
         sys.executable,
         "-m",
@@ -108,7 +110,8 @@ def torchrun(
 
 
 def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series TensorBoard shows for ``run_dir``: {tag: [(step, value), ...]}, in step order, none dropped."""
+    """Every scalar series TensorBoard shows for ``run_dir``: {tag: [(step, value), ...]}, in step
+    order, none dropped."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
@@ -119,10 +122,11 @@ def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 def assert_one_line_error(
     cli, argv: list[str], message: str, capsys, checkpoint: Path, cleanup=None
 ) -> None:
-    """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after exactly one line that
-    starts with ``error: `` and contains ``message``, prints no traceback, leaves ``checkpoint`` byte-identical and
-    no temporary file beside it. The checkpoint is put back (and ``cleanup()`` run) even when the case fails, so
-    that one failing case does not spoil the next."""
+    """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after
+    exactly one line that starts with ``error: `` and contains ``message``, prints no traceback,
+    leaves ``checkpoint`` byte-identical and no temporary file beside it. The checkpoint is put back
+    (and ``cleanup()`` run) even when the case fails, so that one failing case does not spoil the
+    next."""
     before = checkpoint.read_bytes()
     capsys.readouterr()
     try:
@@ -161,9 +165,10 @@ def tiny_lora_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def no_wandb_login(tmp_path, monkeypatch):
-    """wandb with no credentials, reading nothing of the user's: HOME, NETRC and WANDB_CONFIG_DIR in ``tmp_path``, no
-    WANDB_* variable, and the process's wandb settings and session credentials cleared (wandb keeps the first ones it
-    reads in a process), then put back. Yields the new home directory."""
+    """wandb with no credentials, reading nothing of the user's: HOME, NETRC and WANDB_CONFIG_DIR in
+    ``tmp_path``, no WANDB_* variable, and the process's wandb settings and session credentials
+    cleared (wandb keeps the first ones it reads in a process), then put back. Yields the new home
+    directory."""
     wandb_setup = pytest.importorskip("wandb.sdk.wandb_setup")
     from wandb.sdk.lib.wbauth import authenticate
 

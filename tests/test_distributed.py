@@ -3,11 +3,12 @@
 The gloo runs pass ``--device cpu``, so they test the same thing on a machine with GPUs.
 
 The 2-process runs are launched the way users launch them, ``python -m torch.distributed.run
---nproc_per_node 2 --standalone script.py ...``, and their per-step scalars are read back from rank 0's
-TensorBoard events. Sampling is seeded per generation call from (seed, step, round, first global group),
-so with ``--generation-groups-per-call 1`` both runs sample the same completions; everything after that is
-the same arithmetic summed in a different order, so losses agree to float32 rounding (checked to 1e-5
-relative or 1e-6 absolute; measured: at most 4e-6 relative, 8e-8 absolute, on a loss of 0.02).
+--nproc_per_node 2 --standalone script.py ...``, and their per-step scalars are read back from rank
+0's TensorBoard events. Sampling is seeded per generation call from (seed, step, round, first global
+group), so with ``--generation-groups-per-call 1`` both runs sample the same completions; everything
+after that is the same arithmetic summed in a different order, so losses agree to float32 rounding
+(checked to 1e-5 relative or 1e-6 absolute; measured: at most 4e-6 relative, 8e-8 absolute, on a
+loss of 0.02).
 """
 
 import os
@@ -32,7 +33,8 @@ def restore_torch_threads():
 
 
 def scalars(run_dir) -> dict[str, list[float]]:
-    """Every scalar series of the (single) TensorBoard event file in ``run_dir``, in step order: the values."""
+    """Every scalar series of the (single) TensorBoard event file in ``run_dir``, in step order: the
+    values."""
     return {tag: [value for _, value in series] for tag, series in tb_scalars(run_dir).items()}
 
 
@@ -43,7 +45,8 @@ def assert_same_run(one: dict, two: dict, keys) -> None:
 
 
 def only_run_dir(runs_dir):
-    """Rank 0 alone writes: one run directory (names carry a timestamp), one event file, one checkpoint."""
+    """Rank 0 alone writes: one run directory (names carry a timestamp), one event file, one
+    checkpoint."""
     runs = list(runs_dir.iterdir())
     assert len(runs) == 1, runs
     assert len(list(runs[0].glob("events.out.tfevents.*"))) == 1
@@ -416,7 +419,7 @@ def fails_on_rank_1(completion, example):
 
 def flat_on_rank_0(completion, example):  # rank 0's groups all tie: it samples more rounds than rank 1
     return 1.0 if os.environ["RANK"] == "0" else float(len(completion) % 2)
-"""
+"""  # noqa: E501  # a comment line of the rewards file's source, kept character for character
 
 
 def rank_flags(script: str, model_dir, tmp_path, *flags) -> list[str]:

@@ -1,5 +1,6 @@
-"""What users reach for next (issue 16), wired into the LM scripts: their own reward functions from the command line,
-the think/answer format with a system prompt and a response prefix, their own JSONL data, Countdown."""
+"""What users reach for next (issue 16), wired into the LM scripts: their own reward functions from
+the command line, the think/answer format with a system prompt and a response prefix, their own
+JSONL data, Countdown."""
 
 import json
 

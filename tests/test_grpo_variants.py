@@ -1,5 +1,6 @@
-"""grpo_lm.py variants: loss types, reward scaling, clip-higher, GSPO, process supervision, DAPO sampling and
-shaping, iterative RL with a reward model. Hand-computed numbers on small padded batches, then tiny-model runs."""
+"""grpo_lm.py variants: loss types, reward scaling, clip-higher, GSPO, process supervision, DAPO
+sampling and shaping, iterative RL with a reward model. Hand-computed numbers on small padded
+batches, then tiny-model runs."""
 
 import math
 import subprocess
@@ -21,7 +22,8 @@ EPS = 1e-4
 
 
 def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
-    """test_grpo_lm's tiny run, on one thread: two threads of a 32-wide model mostly wait on each other."""
+    """test_grpo_lm's tiny run, on one thread: two threads of a 32-wide model mostly wait on each
+    other."""
     return _tiny_args(model_dir, tmp_path, **{"torch_threads": 1, **kw})
 
 
@@ -29,7 +31,8 @@ def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
 # Loss aggregation (--loss-type), clip-higher, GSPO
 # ---------------------------------------------------------------------------------------------
 def padded_batch():
-    """Two completions, the first padded: 2 and 3 valid tokens; ratio 1.1 on token (0, 0), 1 elsewhere.
+    """Two completions, the first padded: 2 and 3 valid tokens; ratio 1.1 on token (0, 0), 1
+    elsewhere.
 
     With A = (1, -2) the masked per-token surrogates are [1.1, 1, -] and [-2, -2, -2]:
     sums 2.1 and -6 over 5 tokens. The padded token has a huge ratio that must not count.
@@ -100,7 +103,8 @@ def test_micro_batch_losses_add_up_for_every_loss_type(loss_type, variant):
     parts = [slice(0, 2), slice(2, 6)]
     if loss_type != "bnpo":
         torch.testing.assert_close(sum(loss(s) for s in parts), full)
-    else:  # bnpo: a token mean per micro-batch, weighted by its share of sequences; one micro-batch = dapo
+    else:  # bnpo: a token mean per micro-batch, weighted by its share of sequences;
+        # one micro-batch = dapo
         torch.testing.assert_close(full, loss(slice(0, 6), loss_type="dapo"))
         by_hand = sum(
             loss(s, loss_type="dapo", num_tokens=mask[s].sum().item()) * (s.stop - s.start) / 6
@@ -199,7 +203,8 @@ def test_scale_rewards_batch_and_none():
 
 
 def process_example():
-    """Two groups of G = 2, T = 5; steps given as (completion, last token, reward), in no particular order."""
+    """Two groups of G = 2, T = 5; steps given as (completion, last token, reward), in no particular
+    order."""
     steps = [
         (0, 1, 1.0),
         (1, 2, 0.0),
@@ -334,7 +339,8 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer():
 # sampling
 # ---------------------------------------------------------------------------------------------
 def digit_steps(completion: str, example: dict) -> list[tuple[int, float]]:
-    """Every character is a step: reward 1 for a digit, 0 otherwise (a dense, learnable step reward)."""
+    """Every character is a step: reward 1 for a digit, 0 otherwise (a dense, learnable step
+    reward)."""
     return [(k + 1, float(c.isdigit())) for k, c in enumerate(completion)]
 
 

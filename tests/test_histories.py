@@ -1,16 +1,19 @@
-"""Every logged scalar of grpo_lm.main() and ppo_lm.main(), step by step, for flag combinations that cover every
-feature, compared with recorded histories.
+"""Every logged scalar of grpo_lm.main() and ppo_lm.main(), step by step, for flag combinations that
+cover every feature, compared with recorded histories.
 
 The runs use the tests' tiny Llama on one CPU thread; timings and memory are left out. Two modes:
 
-- Against the committed recording (``tests/data/histories.json``), within a tolerance that holds across x86 CPUs
-  (the same torch wheel rounds differently on an Intel Xeon and an AMD EPYC: about 4e-6 relative on ``loss/kl``)
-  and still catches any change of the math: ``rel_tol=1e-3, abs_tol=1e-5``, and 0.03 absolute for the
-  ``*clip_fraction`` scalars (a count of tokens over about 200, where a rounding difference can move one token
-  across the clip edge). Measured on an Intel Xeon (issue 21): running torch's AVX2 or 2-thread kernels instead
-  of its AVX-512 ones moves values by up to 2e-4 relative and one value clip fraction by one token, all inside the
-  tolerance; ``--beta 0.0401`` instead of 0.04 fails 63 values, ``--adv-eps 1.1e-4`` 18, ``--clip-range 0.2001`` 4.
-- Bit-exact, on one machine, for refactors (a pure move changes no bit): record before, replay after::
+- Against the committed recording (``tests/data/histories.json``), within a tolerance that holds
+  across x86 CPUs (the same torch wheel rounds differently on an Intel Xeon and an AMD EPYC: about
+  4e-6 relative on ``loss/kl``) and still catches any change of the math: ``rel_tol=1e-3,
+  abs_tol=1e-5``, and 0.03 absolute for the ``*clip_fraction`` scalars (a count of tokens over about
+  200, where a rounding difference can move one token across the clip edge). Measured on an Intel
+  Xeon (issue 21): running torch's AVX2 or 2-thread kernels instead of its AVX-512 ones moves values
+  by up to 2e-4 relative and one value clip fraction by one token, all inside the tolerance;
+  ``--beta 0.0401`` instead of 0.04 fails 63 values, ``--adv-eps 1.1e-4`` 18, ``--clip-range
+  0.2001`` 4.
+- Bit-exact, on one machine, for refactors (a pure move changes no bit): record before, replay
+  after::
 
       python tests/test_histories.py --record /tmp/before.json
       HISTORIES=/tmp/before.json python -m pytest -q tests/test_histories.py
@@ -170,8 +173,8 @@ def test_history_matches_the_recording(run, histories):
 
 
 def test_the_tolerance_tells_a_cpu_apart_from_a_change_of_the_math():
-    """Pins the tolerance with the figures of the module docstring: the Intel/AMD difference issue 21 measured
-    passes, a change of --beta (or any other flag) in the fourth digit does not."""
+    """Pins the tolerance with the figures of the module docstring: the Intel/AMD difference issue
+    21 measured passes, a change of --beta (or any other flag) in the fourth digit does not."""
     assert close("loss/kl", 0.008276622, 0.008276656)  # AMD EPYC vs Intel Xeon, same wheel
     assert close("loss/value_clip_fraction", 0.0795, 0.0625)  # one token across the clip edge
     assert not close("loss/kl", 0.008290207, 0.008276656)  # --adv-eps 1.1e-4 instead of 1e-4

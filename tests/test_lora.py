@@ -1,5 +1,6 @@
-"""--lora-rank (issue 16): only the adapters train, the reference is the policy with its adapter disabled, checkpoints
-hold the adapters and resume exactly, final_model/ is a merged model; with --fast-generation and under torchrun."""
+"""--lora-rank (issue 16): only the adapters train, the reference is the policy with its adapter
+disabled, checkpoints hold the adapters and resume exactly, final_model/ is a merged model; with
+--fast-generation and under torchrun."""
 
 import pytest
 import torch
@@ -193,8 +194,8 @@ def test_ppo_lora_trains_only_the_policys_adapters_and_resumes_exactly(
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_model_dir):
-    """--lora-target-modules lm_head: the float32 head must run the adapter too, or the ratio and the KL would be
-    those of the model without it while the sampler draws with it."""
+    """--lora-target-modules lm_head: the float32 head must run the adapter too, or the ratio and
+    the KL would be those of the model without it while the sampler draws with it."""
     import ppo_lm
 
     args = grpo_lm.Args(

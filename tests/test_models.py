@@ -1,5 +1,5 @@
-"""common.py's model loading as both LM scripts use it: what the sampler samples from, how a reward model
-is read, dropout. Each test pins an item of "Trust I" (issue 13) on tiny random models."""
+"""common.py's model loading as both LM scripts use it: what the sampler samples from, how a reward
+model is read, dropout. Each test pins an item of "Trust I" (issue 13) on tiny random models."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""ppo_lm.py: equations against hand-computed numbers, learning on a tiny model, CLI, resume, errors."""
+"""ppo_lm.py: equations against hand-computed numbers, learning on a tiny model, CLI, resume,
+errors."""
 
 import dataclasses
 import math
@@ -65,9 +66,10 @@ def bandit_probs_after(
 ) -> torch.Tensor:
     """pi after ``steps`` gradient steps on the softmax logits, each on the exact expected PPO loss.
 
-    Every arm's loss (ppo_lm's per_token_rewards -> gae -> ppo_loss, with pi_old = pi) is weighted by its
-    detached probability: the gradient is sum_a pi(a) A(a) grad log pi(a), with no sampling noise.
-    ``kl_reward(old_logp, ref_logp)`` replaces ppo_lm's per-token rewards (to show another estimator's).
+    Every arm's loss (ppo_lm's per_token_rewards -> gae -> ppo_loss, with pi_old = pi) is weighted
+    by its detached probability: the gradient is sum_a pi(a) A(a) grad log pi(a), with no sampling
+    noise. ``kl_reward(old_logp, ref_logp)`` replaces ppo_lm's per-token rewards (to show another
+    estimator's).
     """
     theta = torch.zeros(5, requires_grad=True)
     ones, zeros = torch.ones(5, 1), torch.zeros(5, 1)

@@ -1,5 +1,6 @@
-"""Each script reads beside its paper (issue 15): the budgets that keep main() on a screen, measured with ast, so that
-the creep cannot come back silently. Lines are a function's source lines, docstring included."""
+"""Each script reads beside its paper (issue 15): the budgets that keep main() on a screen, measured
+with ast, so that the creep cannot come back silently. Lines are a function's source lines,
+docstring included."""
 
 import ast
 import io
@@ -11,14 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer
-# functions allowed)
-BUDGETS = {  # grpo_lm.main(): issue 22's budget, with lines of at most 100 characters (checked below)
+# functions allowed); grpo_lm.main(): issue 22's budget, with lines of at most 100 characters
+# (checked below)
+BUDGETS = {
     "grpo_lm.py": ("main", 140, 85, {"grpo_loss": 75, "token_log_probs": 45}),
     "ppo_lm.py": ("main", 130, 85, {}),
     "ppo_continuous.py": ("train", 150, None, {}),
 }
 OTHER_FUNCTIONS = 60
-MATH_BLOCKS = {  # the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone
+# the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone
+MATH_BLOCKS = {
     "grpo_lm.py": [
         "completion_mask",
         "group_advantages",
@@ -128,7 +131,8 @@ WEIGHT_BUDGETS = {"ppo_continuous.py": (700, 450)}
 
 
 def _local_imports(path: Path) -> set[Path]:
-    """The modules of this repository (its top-level .py files) that ``path`` imports, anywhere in the file."""
+    """The modules of this repository (its top-level .py files) that ``path`` imports, anywhere in
+    the file."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -165,7 +169,8 @@ def _code_lines(text: str) -> int:
 
 
 def weight(script: str) -> tuple[int, int]:
-    """``(total lines, code lines)`` of ``script`` and every module of this repository it imports, transitively."""
+    """``(total lines, code lines)`` of ``script`` and every module of this repository it imports,
+    transitively."""
     seen, todo = {ROOT / script}, [ROOT / script]
     while todo:
         for module in _local_imports(todo.pop()) - seen:

@@ -138,7 +138,8 @@ def test_jsonl_fields_plain_answers_numbers_and_each_bad_line(tmp_path):
         ),
         (
             {"question": " \n ", "answer": "1"},
-            r"d.jsonl:2: field 'question' \(the prompt\) must be a non-empty string, got \" \\n \"$",
+            r"d.jsonl:2: field 'question' \(the prompt\) must be a non-empty string, "
+            r"got \" \\n \"$",
         ),
         (
             '{"question": "x", "answer": NaN}',
@@ -240,7 +241,8 @@ def test_gsm8k_real_file_line_numbers_and_speed():
 # User code that fails: one line naming the task or file:function and the completion's index
 # ---------------------------------------------------------------------------------------------
 class FixedPolicy:
-    """A stand-in for ``generate``: appends the same characters to every prompt (char tokenizer ids)."""
+    """A stand-in for ``generate``: appends the same characters to every prompt (char tokenizer
+    ids)."""
 
     def __init__(self, tokenizer, text: str):
         self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -889,7 +891,8 @@ TEST0 = {
 # Process supervision's step finder on model-like text
 # ---------------------------------------------------------------------------------------------
 def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
-    """A chain of terms not followed by '=' took 6**n backtracking steps (1 + 1 + ... 10 terms: 6 s; 12: 4 min)."""
+    """A chain of terms not followed by '=' took 6**n backtracking steps (1 + 1 + ... 10 terms: 6 s;
+    12: 4 min)."""
     import time
 
     start = time.perf_counter()
