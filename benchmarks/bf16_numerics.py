@@ -1,18 +1,19 @@
-"""How much bf16 rounding moves the log probs that enter GRPO's loss, on the CPU's bf16 autocast (a stand-in for CUDA's).
+"""How much bf16 rounding moves GRPO's log probs, on the CPU's bf16 autocast (CUDA's stand-in).
 
 Issue 13 ("Trust I") items 4 and 5. A policy a hair away from its reference (every weight moved by
---perturbation times its tensor's std, in a fixed random direction) samples completions in float32; then the
-sampled tokens' log probs are computed
+--perturbation times its tensor's std, in a fixed random direction) samples completions in float32;
+then the sampled tokens' log probs are computed
 
   * in float32 (the truth),
   * under bf16 autocast with the model's own head (logits rounded to bf16: the old token_log_probs),
-  * under bf16 autocast with grpo_lm.token_log_probs (body in bf16, LM head and log-softmax in float32),
+  * under bf16 autocast with grpo_lm.token_log_probs (body in bf16, LM head and log-softmax in
+    float32),
 
-and the per-token k3 KL between policy and reference (DeepSeekMath eq. 4) is read off each. The bf16 sampler of
---fast-generation is compared with the float32 learner too, with RoPE's inv_freq cast to bf16 (the old
-`.to(torch.bfloat16)` copy) and kept float32 (common.bf16_sampler).
+and the per-token k3 KL between policy and reference (DeepSeekMath eq. 4) is read off each. The bf16
+sampler of --fast-generation is compared with the float32 learner too, with RoPE's inv_freq cast to
+bf16 (the old `.to(torch.bfloat16)` copy) and kept float32 (common.bf16_sampler).
 
-    python benchmarks/bf16_numerics.py                          # SmolLM2-135M-Instruct, GSM8K questions
+    python benchmarks/bf16_numerics.py              # SmolLM2-135M-Instruct, GSM8K questions
     python benchmarks/bf16_numerics.py --model-name-or-path DIR --prompts 8
 
 Prints a Markdown table (and writes it with --out).
@@ -29,12 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
-import tasks  # noqa: E402
 import grpo_lm  # noqa: E402
+import tasks  # noqa: E402
 
 
 def perturbed(model, scale: float, seed: int):
-    """A copy of ``model`` with every floating parameter moved by ``scale * std(param)`` in a random direction."""
+    """A copy of ``model`` with every floating parameter moved by ``scale * std(param)`` in a random
+    direction."""
     out = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -44,7 +46,8 @@ def perturbed(model, scale: float, seed: int):
 
 
 def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
-    """(N, T) log probs of the sampled tokens: mode 'fp32', 'bf16_head' (autocast, bf16 logits) or 'fp32_head'."""
+    """(N, T) log probs of the sampled tokens: mode 'fp32', 'bf16_head' (autocast, bf16 logits) or
+    'fp32_head'."""
     if mode == "bf16_head":
         return forward_log_probs(model, batch, temperature, autocast=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "fp32_head"):
@@ -52,29 +55,47 @@ def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
 
 
 def forward_log_probs(model, batch, temperature: float, autocast: bool = False) -> torch.Tensor:
-    """(N, T) log probs of the sampled tokens from the model's own forward and head (with ``autocast``, under CPU
-    bf16 autocast), as a sampler computes them; the log-softmax in float32."""
+    """(N, T) log probs of the sampled tokens from the model's own forward and head (with
+    ``autocast``, under CPU bf16 autocast), as a sampler computes them; the log-softmax in
+    float32."""
     prompt_ids, prompt_mask, index, completions, att = batch
     attention_mask = torch.cat([prompt_mask[index], att], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = model(input_ids=torch.cat([prompt_ids[index], completions], 1), attention_mask=attention_mask,
-                       position_ids=position_ids, logits_to_keep=completions.shape[1] + 1).logits[:, :-1]
-    return (logits.float() / temperature).log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
+        logits = model(
+            input_ids=torch.cat([prompt_ids[index], completions], 1),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=completions.shape[1] + 1,
+        ).logits[:, :-1]
+    return (
+        (logits.float() / temperature)
+        .log_softmax(-1)
+        .gather(2, completions.unsqueeze(-1))
+        .squeeze(-1)
+    )
 
 
 def sampler_log_probs(sampler, batch, temperature: float) -> torch.Tensor:
-    """(N, T) log probs under a bf16-weight sampler, computed as it samples (no autocast, bf16 head)."""
+    """(N, T) log probs under a bf16-weight sampler, computed as it samples (no autocast, bf16
+    head)."""
     return forward_log_probs(sampler, batch, temperature)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-name-or-path", default=common.DEFAULT_MODEL)
-    parser.add_argument("--dataset", default=str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"))
+    parser.add_argument(
+        "--dataset",
+        default=str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl"),
+    )
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--shots", type=int, default=0,
-                        help="worked examples (GSM8K solutions) before each question, to reach longer positions")
+    parser.add_argument(
+        "--shots",
+        type=int,
+        default=0,
+        help="worked examples (GSM8K solutions) before each question, to reach longer positions",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--perturbation", type=float, default=1e-3)
@@ -93,12 +114,28 @@ def main() -> None:
     else:
         task = tasks.make_addition_task(num_test=args.prompts)
         source = "addition questions"
-    shots = "".join(f"Question: {ex['question']}\nAnswer: {ex.get('solution', '')} #### {ex['answer']}\n\n"
-                    for ex in task.train[: args.shots])
-    prompts = [tokenizer(tasks.build_prompt(tokenizer, shots + ex["question"]), add_special_tokens=False)["input_ids"]
-               for ex in task.test[: args.prompts]]
-    rows, _ = common.generate_completions(policy, prompts, 1, tokenizer, torch.device("cpu"), temperature=args.temperature,
-                                          top_p=1.0, max_new_tokens=args.max_new_tokens, seed_keys=(args.seed,), first=0)
+    shots = "".join(
+        f"Question: {ex['question']}\nAnswer: {ex.get('solution', '')} #### {ex['answer']}\n\n"
+        for ex in task.train[: args.shots]
+    )
+    prompts = [
+        tokenizer(tasks.build_prompt(tokenizer, shots + ex["question"]), add_special_tokens=False)[
+            "input_ids"
+        ]
+        for ex in task.test[: args.prompts]
+    ]
+    rows, _ = common.generate_completions(
+        policy,
+        prompts,
+        1,
+        tokenizer,
+        torch.device("cpu"),
+        temperature=args.temperature,
+        top_p=1.0,
+        max_new_tokens=args.max_new_tokens,
+        seed_keys=(args.seed,),
+        first=0,
+    )
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id)
     T = max(map(len, rows))
     completions = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])
@@ -114,17 +151,26 @@ def main() -> None:
     truth_policy = log_probs(policy, batch, args.temperature, "fp32")
     truth_ref = log_probs(reference, batch, args.temperature, "fp32")
     rows_out = [("float32 (truth)", kl(truth_policy, truth_ref), 0.0, 0.0)]
-    for mode, label in (("bf16_head", "bf16 autocast, bf16 LM head (before)"),
-                        ("fp32_head", "bf16 autocast, float32 LM head and log-softmax (now)")):
-        lp, lr = log_probs(policy, batch, args.temperature, mode), log_probs(reference, batch, args.temperature, mode)
+    for mode, label in (
+        ("bf16_head", "bf16 autocast, bf16 LM head (before)"),
+        ("fp32_head", "bf16 autocast, float32 LM head and log-softmax (now)"),
+    ):
+        lp, lr = (
+            log_probs(policy, batch, args.temperature, mode),
+            log_probs(reference, batch, args.temperature, mode),
+        )
         d = (lp - truth_policy)[valid].abs()
         rows_out.append((label, kl(lp, lr), d.mean().item(), d.max().item()))
 
-    old_sampler = copy.deepcopy(policy).to(torch.bfloat16).eval()  # the old --fast-generation copy: buffers cast too
+    old_sampler = (
+        copy.deepcopy(policy).to(torch.bfloat16).eval()
+    )  # the old --fast-generation copy: buffers cast too
     new_sampler = common.bf16_sampler(policy)
     sampler_rows = []
-    for label, sampler in (("bf16 copy, inv_freq cast to bf16 (before)", old_sampler),
-                           ("bf16 copy, inv_freq float32 (now)", new_sampler)):
+    for label, sampler in (
+        ("bf16 copy, inv_freq cast to bf16 (before)", old_sampler),
+        ("bf16 copy, inv_freq float32 (now)", new_sampler),
+    ):
         d = (sampler_log_probs(sampler, batch, args.temperature) - truth_policy)[valid].abs()
         sampler_rows.append((label, d.mean().item(), d.max().item()))
     inv = dict(policy.named_buffers())
@@ -134,15 +180,27 @@ def main() -> None:
 
     if args.shots:
         source += f" after {args.shots} worked examples"
-    lines = [f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T = "
-             f"{args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions up to {positions}); "
-             f"policy = reference with every weight moved by {args.perturbation} x its tensor's std; "
-             f"torch {torch.__version__}, CPU bf16 autocast.", "",
-             "| log probs | k3 KL per token (mean) | vs. truth: mean abs dlogp | max abs dlogp |", "|-|-|-|-|"]
+    lines = [
+        f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T "
+        f"= {args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions "
+        f"up to {positions}); policy = reference with every weight moved by {args.perturbation} x "
+        f"its tensor's std; torch {torch.__version__}, CPU bf16 autocast.",
+        "",
+        "| log probs | k3 KL per token (mean) | vs. truth: mean abs dlogp | max abs dlogp |",
+        "|-|-|-|-|",
+    ]
     lines += [f"| {label} | {k:.3g} | {m:.3g} | {x:.3g} |" for label, k, m, x in rows_out]
-    lines += ["", "| --fast-generation sampler vs. float32 learner | mean abs dlogp | max abs dlogp |", "|-|-|-|"]
+    lines += [
+        "",
+        "| --fast-generation sampler vs. float32 learner | mean abs dlogp | max abs dlogp |",
+        "|-|-|-|",
+    ]
     lines += [f"| {label} | {m:.3g} | {x:.3g} |" for label, m, x in sampler_rows]
-    lines += ["", f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over frequencies)."]
+    lines += [
+        "",
+        f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over "
+        "frequencies).",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -1,6 +1,6 @@
-"""Real run: GRPO on SmolLM2-135M-Instruct, addition task, held-out greedy accuracy before and after.
+"""Real run: GRPO on SmolLM2-135M-Instruct, addition task, held-out greedy accuracy before/after.
 
-    python benchmarks/grpo_addition.py --steps 30            # writes benchmarks/grpo_addition_results.md
+    python benchmarks/grpo_addition.py --steps 30   # writes benchmarks/grpo_addition_results.md
 
 Runs grpo_lm.py as a subprocess with the flags below (plus any extra ones after `--`), then reads
 its TensorBoard scalars and reports accuracy before/after, the reward curve, seconds per step and
@@ -31,13 +31,28 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return f"{os.cpu_count()}-core {platform.machine()} CPU VM ({cpu}), no GPU, Python {platform.python_version()}"
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in open("/proc/cpuinfo")
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else platform.processor()
+    )
+    return (
+        f"{os.cpu_count()}-core {platform.machine()} CPU VM ({cpu}), no GPU, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "grpo_addition_results.md"))
@@ -46,10 +61,39 @@ def main() -> None:
     opts = parser.parse_args()
 
     run_name = f"grpo_addition_seed{opts.seed}_{int(time.time())}"
-    cmd = [sys.executable, "grpo_lm.py", "--total-steps", str(opts.steps), "--group-size", "8",
-           "--prompts-per-step", "4", "--max-new-tokens", "64", "--learning-rate", "1e-5", "--temperature", "0.7",
-           "--beta", "0.04", "--eval-size", "128", "--eval-every", "10", "--sample-every", "5",
-           "--save-every", "0", "--seed", str(opts.seed), "--runs-dir", opts.runs_dir, "--run-name", run_name, *opts.extra]
+    cmd = [
+        sys.executable,
+        "grpo_lm.py",
+        "--total-steps",
+        str(opts.steps),
+        "--group-size",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--max-new-tokens",
+        "64",
+        "--learning-rate",
+        "1e-5",
+        "--temperature",
+        "0.7",
+        "--beta",
+        "0.04",
+        "--eval-size",
+        "128",
+        "--eval-every",
+        "10",
+        "--sample-every",
+        "5",
+        "--save-every",
+        "0",
+        "--seed",
+        str(opts.seed),
+        "--runs-dir",
+        opts.runs_dir,
+        "--run-name",
+        run_name,
+        *opts.extra,
+    ]
     shown = " ".join(c if c != sys.executable else "python" for c in cmd)
     print(shown, flush=True)
     start = time.time()
@@ -60,7 +104,9 @@ def main() -> None:
     s = read_scalars(Path(opts.runs_dir) / run_name)
     acc = s["eval/accuracy"]
     rewards = [v for _, v in s["reward/mean"]]
-    step_s = [g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"])]
+    step_s = [
+        g + t for (_, g), (_, t) in zip(s["time/generation_s"], s["time/training_s"], strict=False)
+    ]
     lengths = [v for _, v in s["completion/length_mean"]]
     k = max(1, len(rewards) // 6)
     lines = [
@@ -74,8 +120,10 @@ def main() -> None:
         "|---|---|",
         f"| held-out greedy accuracy, 128 problems, step {acc[0][0]} | {acc[0][1]:.3f} |",
         *[f"| held-out greedy accuracy, step {st} | {v:.3f} |" for st, v in acc[1:]],
-        f"| mean reward, first {k} steps -> last {k} steps | {sum(rewards[:k]) / k:.3f} -> {sum(rewards[-k:]) / k:.3f} |",
-        f"| mean completion length, first {k} -> last {k} steps (tokens) | {sum(lengths[:k]) / k:.1f} -> {sum(lengths[-k:]) / k:.1f} |",
+        f"| mean reward, first {k} steps -> last {k} steps | {sum(rewards[:k]) / k:.3f} -> "
+        f"{sum(rewards[-k:]) / k:.3f} |",
+        f"| mean completion length, first {k} -> last {k} steps (tokens) | "
+        f"{sum(lengths[:k]) / k:.1f} -> {sum(lengths[-k:]) / k:.1f} |",
         f"| seconds per step (generation + training), mean | {sum(step_s) / len(step_s):.1f} |",
         f"| wall time, whole run incl. 4 evaluations and loading | {wall / 60:.1f} min |",
         f"| peak RSS | {peak_rss:.2f} GiB |",

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny randomly initialised models and a character-level tokenizer, built offline."""
+"""Shared fixtures: tiny randomly initialised models and a character-level tokenizer, built
+offline."""
 
 import os
 import signal
@@ -27,24 +28,43 @@ def make_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>",
-                                   padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<eos>",
+        padding_side="left",
+    )
 
 
-def make_tiny_model(path: Path, seed: int = 0, kind: str = "causal-lm", init_std: float = 0.02) -> Path:
+def make_tiny_model(
+    path: Path, seed: int = 0, kind: str = "causal-lm", init_std: float = 0.02
+) -> Path:
     """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path``.
 
-    ``init_std``: the weights' initial std (transformers' default 0.02 gives this tiny model logits within about
-    +-0.6, a scale that only its embeddings and norms can grow; LoRA, which leaves them frozen, needs ~0.2).
+    ``init_std``: the weights' initial std (transformers' default 0.02 gives this tiny model logits
+    within about +-0.6, a scale that only its embeddings and norms can grow; LoRA, which leaves them
+    frozen, needs ~0.2).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     tokenizer = make_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None, tie_word_embeddings=True, num_labels=1, initializer_range=init_std)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        num_labels=1,
+        initializer_range=init_std,
+    )
     torch.manual_seed(seed)
     model = (LlamaForCausalLM if kind == "causal-lm" else LlamaForSequenceClassification)(config)
     if kind == "causal-lm":
@@ -54,25 +74,44 @@ def make_tiny_model(path: Path, seed: int = 0, kind: str = "causal-lm", init_std
     return path
 
 
-def torchrun(script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, timeout: float = 300,
-             **env) -> subprocess.CompletedProcess:
-    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout and stderr kept.
-    A run still going after ``timeout`` seconds (a hang) fails the test."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           str(ROOT / script), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **env}, start_new_session=True)
+def torchrun(
+    script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, timeout: float = 300, **env
+) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout
+    and stderr kept. A run still going after ``timeout`` seconds (a hang) fails the test."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--standalone",
+        str(ROOT / script),
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: a hung run leaves no process behind
+        os.killpg(
+            proc.pid, signal.SIGKILL
+        )  # the launcher and its workers: a hung run leaves no process behind
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series TensorBoard shows for ``run_dir``: {tag: [(step, value), ...]}, in step order, none dropped."""
+    """Every scalar series TensorBoard shows for ``run_dir``: {tag: [(step, value), ...]}, in step
+    order, none dropped."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
@@ -80,11 +119,14 @@ def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def assert_one_line_error(cli, argv: list[str], message: str, capsys, checkpoint: Path, cleanup=None) -> None:
-    """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after exactly one line that
-    starts with ``error: `` and contains ``message``, prints no traceback, leaves ``checkpoint`` byte-identical and
-    no temporary file beside it. The checkpoint is put back (and ``cleanup()`` run) even when the case fails, so
-    that one failing case does not spoil the next."""
+def assert_one_line_error(
+    cli, argv: list[str], message: str, capsys, checkpoint: Path, cleanup=None
+) -> None:
+    """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after
+    exactly one line that starts with ``error: `` and contains ``message``, prints no traceback,
+    leaves ``checkpoint`` byte-identical and no temporary file beside it. The checkpoint is put back
+    (and ``cleanup()`` run) even when the case fails, so that one failing case does not spoil the
+    next."""
     before = checkpoint.read_bytes()
     capsys.readouterr()
     try:
@@ -98,7 +140,9 @@ def assert_one_line_error(cli, argv: list[str], message: str, capsys, checkpoint
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
     assert exit_info.value.code == 2, err[-2000:]
-    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], err[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], err[
+        -2000:
+    ]
     assert "Traceback" not in err
     assert not changed
     assert not list(checkpoint.parent.glob(f".{checkpoint.name}.*"))
@@ -121,9 +165,10 @@ def tiny_lora_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def no_wandb_login(tmp_path, monkeypatch):
-    """wandb with no credentials, reading nothing of the user's: HOME, NETRC and WANDB_CONFIG_DIR in ``tmp_path``, no
-    WANDB_* variable, and the process's wandb settings and session credentials cleared (wandb keeps the first ones it
-    reads in a process), then put back. Yields the new home directory."""
+    """wandb with no credentials, reading nothing of the user's: HOME, NETRC and WANDB_CONFIG_DIR in
+    ``tmp_path``, no WANDB_* variable, and the process's wandb settings and session credentials
+    cleared (wandb keeps the first ones it reads in a process), then put back. Yields the new home
+    directory."""
     wandb_setup = pytest.importorskip("wandb.sdk.wandb_setup")
     from wandb.sdk.lib.wbauth import authenticate
 
@@ -138,7 +183,9 @@ def no_wandb_login(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb_setup, "_singleton", None)
     monkeypatch.setattr(authenticate, "_session_auth", None)
     yield home
-    if wandb_setup._singleton is not None:  # a wandb.init in the test started wandb's service: stop it
+    if (
+        wandb_setup._singleton is not None
+    ):  # a wandb.init in the test started wandb's service: stop it
         import wandb
 
         wandb.teardown()

@@ -1,9 +1,11 @@
-"""Bad input to grpo_lm.py and ppo_lm.py (and both under torchrun): one `error:` line naming the flag or file,
-exit code 2, no traceback, and the checkpoint already on disk byte-identical afterwards (issue 14).
+"""Bad input to grpo_lm.py and ppo_lm.py (and both under torchrun): one `error:` line naming the
+flag or file, exit code 2, no traceback, and the checkpoint already on disk byte-identical
+afterwards (issue 14).
 
-The table runs in-process through each script's ``cli(argv)``, the function its ``__main__`` block calls.
-Stages: "cheap" cases must fail before the tokenizer or any model loads; "tokenizer" cases may read the
-tokenizer, not a model; "model" cases may load models but not train; "run" cases stop mid-run.
+The table runs in-process through each script's ``cli(argv)``, the function its ``__main__`` block
+calls.
+Stages: "cheap" cases must fail before the tokenizer or any model loads; "tokenizer" cases may read
+the tokenizer, not a model; "model" cases may load models but not train; "run" cases stop mid-run.
 """
 
 from __future__ import annotations
@@ -25,51 +27,138 @@ CHEAP, TOKENIZER, MODEL, RUN = "cheap", "tokenizer", "model", "run"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """Tiny models, a finished 1-step run of each script, and files that are not what a flag expects."""
+    """Tiny models, a finished 1-step run of each script, and files that are not what a flag
+    expects."""
     root = tmp_path_factory.mktemp("bad_input_lm")
     model = make_tiny_model(root / "model")
     make_tiny_model(root / "rm", seed=1, kind="reward")
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    LlamaForSequenceClassification(LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                num_attention_heads=2, num_key_value_heads=2, num_labels=1,
-                                                pad_token_id=1)).save_pretrained(root / "small_rm")
+    LlamaForSequenceClassification(
+        LlamaConfig(
+            vocab_size=10,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            num_labels=1,
+            pad_token_id=1,
+        )
+    ).save_pretrained(root / "small_rm")
     torch.set_num_threads(1)
-    for script, module in (("grpo", grpo_lm), ("ppo", ppo_lm)):  # healthy runs: their checkpoints must survive the table
-        module.cli([*BASE[script], "--model-name-or-path", str(model), "--runs-dir", str(root / "runs"),
-                    "--run-name", script, "--total-steps", "2", "--save-every", "1", "--format-reward", "1",
-                    "--learning-rate", "0.01"])  # rewards that differ: the policy moves away from its reference
+    for script, module in (
+        ("grpo", grpo_lm),
+        ("ppo", ppo_lm),
+    ):  # healthy runs: their checkpoints must survive the table
+        module.cli(
+            [
+                *BASE[script],
+                "--model-name-or-path",
+                str(model),
+                "--runs-dir",
+                str(root / "runs"),
+                "--run-name",
+                script,
+                "--total-steps",
+                "2",
+                "--save-every",
+                "1",
+                "--format-reward",
+                "1",
+                "--learning-rate",
+                "0.01",
+            ]
+        )  # rewards that differ: the policy moves away from its reference
         healthy = common.load_checkpoint(root / "runs" / script / "checkpoint.pt")
-        common.atomic_save({**healthy, "args": {**healthy["args"], "kl_estimator": "k3"}}, root / f"{script}_removed_flag.pt")
-        common.atomic_save({**healthy, "args": {**healthy["args"], "learning_rate": "1e-5"}}, root / f"{script}_wrong_type.pt")
+        common.atomic_save(
+            {**healthy, "args": {**healthy["args"], "kl_estimator": "k3"}},
+            root / f"{script}_removed_flag.pt",
+        )
+        common.atomic_save(
+            {**healthy, "args": {**healthy["args"], "learning_rate": "1e-5"}},
+            root / f"{script}_wrong_type.pt",
+        )
         key = next(k for k in healthy["policy"] if k.endswith("q_proj.weight"))
-        torch.save({**healthy, "policy": {**healthy["policy"], key: torch.full_like(healthy["policy"][key], float("nan"))}},
-                   root / f"{script}_nan.pt")  # what a diverged run saved before checkpoints refused non-finite values
+        torch.save(
+            {
+                **healthy,
+                "policy": {
+                    **healthy["policy"],
+                    key: torch.full_like(healthy["policy"][key], float("nan")),
+                },
+            },
+            root / f"{script}_nan.pt",
+        )  # what a diverged run saved before checkpoints refused non-finite values
     (root / "junk.pt").write_bytes(b"not a checkpoint")
     (root / "a_file").write_text("x")
     (root / "binary.jsonl").write_bytes(bytes(range(256)) * 4)
     rows = [{"question": f"What is {i} + 1?", "answer": f"step #### {i + 1}"} for i in range(40)]
     lines = [json.dumps(r) for r in rows]
     (root / "bad_json.jsonl").write_text("\n".join(lines[:3] + ["{not json"] + lines[3:]) + "\n")
-    (root / "dollars.jsonl").write_text("\n".join(lines[:5] + [json.dumps({"question": "q", "answer": "#### 45 dollars"})]
-                                                  + lines[5:]) + "\n")
-    (root / "surrogate.jsonl").write_text("\n".join(lines[:2] + ['{"question": "\\ud800", "answer": "#### 1"}'] + lines[2:]) + "\n")
+    (root / "dollars.jsonl").write_text(
+        "\n".join(
+            lines[:5] + [json.dumps({"question": "q", "answer": "#### 45 dollars"})] + lines[5:]
+        )
+        + "\n"
+    )
+    (root / "surrogate.jsonl").write_text(
+        "\n".join(lines[:2] + ['{"question": "\\ud800", "answer": "#### 1"}'] + lines[2:]) + "\n"
+    )
     (root / "short.jsonl").write_text("\n".join(lines[:3]) + "\n")
-    (root / "rewards.py").write_text("def ok(completion, example):\n    return 1.0\n\n\ndef raises(completion, example):\n"
-                                     "    raise KeyError('score')\n\n\ndef text(completion, example):\n    return 'high'\n\n\n"
-                                     "def nan(completion, example):\n    return float('nan')\n\n\ndef huge(completion, example):\n"
-                                     "    return 1e39\n\n\nnot_callable = 3\n\n\n"
-                                     "def task(completion, example):\n    return 0.5\n")
+    (root / "rewards.py").write_text(
+        "def ok(completion, example):\n    return 1.0\n\n\ndef raises(completion, example):\n"
+        "    raise KeyError('score')\n\n\ndef text(completion, example):\n    return 'high'\n\n\n"
+        "def nan(completion, example):\n    return float('nan')\n\n\n"
+        "def huge(completion, example):\n    return 1e39\n\n\nnot_callable = 3\n\n\n"
+        "def task(completion, example):\n    return 0.5\n"
+    )
     (root / "syntax.py").write_text("def f(completion, example)\n    return 1\n")
     (root / "eval_big.jsonl").write_text("\n".join(lines) + "\n")
     return {"root": root, "model": model}
 
 
 BASE = {
-    "grpo": ["--total-steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-size",
-             "2", "--eval-every", "0", "--sample-every", "0", "--torch-threads", "1", "--micro-batch-size", "4"],
-    "ppo": ["--total-steps", "1", "--prompts-per-step", "4", "--num-minibatches", "2", "--max-new-tokens", "4",
-            "--eval-size", "2", "--eval-every", "0", "--sample-every", "0", "--torch-threads", "1", "--micro-batch-size", "4"],
+    "grpo": [
+        "--total-steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--torch-threads",
+        "1",
+        "--micro-batch-size",
+        "4",
+    ],
+    "ppo": [
+        "--total-steps",
+        "1",
+        "--prompts-per-step",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--eval-size",
+        "2",
+        "--eval-every",
+        "0",
+        "--sample-every",
+        "0",
+        "--torch-threads",
+        "1",
+        "--micro-batch-size",
+        "4",
+    ],
 }
 
 SHARED = [  # (argv, text the error line must contain, stage), for both scripts
@@ -105,76 +194,201 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--no-such-flag"], "unrecognized options: --no-such-flag", CHEAP),
     (["--runs-dir", "{root}/a_file"], "--runs-dir: cannot write in", CHEAP),
     (["--runs-dir", "/proc/self/runs"], "--runs-dir: cannot write in /proc/self/runs", CHEAP),
-    (["--model-name-or-path", "./no/such/model"], "--model-name-or-path: model directory ./no/such/model does not exist", CHEAP),
+    (
+        ["--model-name-or-path", "./no/such/model"],
+        "--model-name-or-path: model directory ./no/such/model does not exist",
+        CHEAP,
+    ),
     (["--dataset", "{root}/missing.jsonl"], "--dataset: cannot read", CHEAP),
     (["--dataset", "{root}/binary.jsonl"], "binary.jsonl:1:", CHEAP),
     (["--dataset", "{root}/bad_json.jsonl"], "bad_json.jsonl:4: not valid JSON", CHEAP),
     (["--dataset", "{root}/dollars.jsonl"], "dollars.jsonl:6:", CHEAP),
     (["--dataset", "{root}/surrogate.jsonl"], "surrogate.jsonl:3:", CHEAP),
     (["--dataset", "{root}/short.jsonl"], "--dataset:", CHEAP),
-    (["--dataset", "{root}/eval_big.jsonl", "--eval-size", "40"], "--eval-size 40: {root}/eval_big.jsonl has 40", CHEAP),
+    (
+        ["--dataset", "{root}/eval_big.jsonl", "--eval-size", "40"],
+        "--eval-size 40: {root}/eval_big.jsonl has 40",
+        CHEAP,
+    ),
     (["--eval-size", "8100"], "--eval-size", CHEAP),
     (["--resume", "{root}/nothing.pt"], "--resume: checkpoint file", CHEAP),
     (["--resume", "{root}/junk.pt"], "--resume: cannot read checkpoint", CHEAP),
     (["--resume", "{root}"], "is not a checkpoint file", CHEAP),
-    (["--resume", "{ckpt}", "--model-name-or-path", "{root}/rm"], "--model-name-or-path: cannot change when resuming", CHEAP),
+    (
+        ["--resume", "{ckpt}", "--model-name-or-path", "{root}/rm"],
+        "--model-name-or-path: cannot change when resuming",
+        CHEAP,
+    ),
     (["--lora-rank", "-1"], "--lora-rank: must be greater than or equal to 0", CHEAP),
     (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha: must be greater than 0", CHEAP),
-    (["--lora-rank", "4", "--lora-dropout", "0.05"], "unrecognized options: --lora-dropout", CHEAP),  # removed
-    (["--lora-rank", "4", "--lora-target-modules", "no_such_proj"], "--lora-target-modules: 'no_such_proj' matches no", MODEL),
+    (
+        ["--lora-rank", "4", "--lora-dropout", "0.05"],
+        "unrecognized options: --lora-dropout",
+        CHEAP,
+    ),  # removed
+    (
+        ["--lora-rank", "4", "--lora-target-modules", "no_such_proj"],
+        "--lora-target-modules: 'no_such_proj' matches no",
+        MODEL,
+    ),
     (["--resume", "{ckpt}", "--lora-rank", "4"], "--lora-rank: cannot change when resuming", CHEAP),
     (["--eval-only", "--eval-size", "0"], "--eval-only needs --eval-size > 0", CHEAP),
     (["--reward-fn", "{root}/missing.py:f"], "--reward-fn {root}/missing.py:f: file", CHEAP),
     (["--reward-fn", "{root}/rewards.py:nope"], "--reward-fn {root}/rewards.py:nope:", CHEAP),
-    (["--reward-fn", "{root}/rewards.py:not_callable"], "--reward-fn {root}/rewards.py:not_callable:", CHEAP),
+    (
+        ["--reward-fn", "{root}/rewards.py:not_callable"],
+        "--reward-fn {root}/rewards.py:not_callable:",
+        CHEAP,
+    ),
     (["--reward-fn", "{root}/syntax.py:f"], "SyntaxError", CHEAP),
-    (["--reward-fn", "rewards_without_function"], "--reward-fn: expected path/to/file.py:function_name", CHEAP),
-    (["--reward-fn", "{root}/rewards.py:ok", "--reward-weights", "1", "2"], "--reward-weights: 2 weights for 1", CHEAP),
+    (
+        ["--reward-fn", "rewards_without_function"],
+        "--reward-fn: expected path/to/file.py:function_name",
+        CHEAP,
+    ),
+    (
+        ["--reward-fn", "{root}/rewards.py:ok", "--reward-weights", "1", "2"],
+        "--reward-weights: 2 weights for 1",
+        CHEAP,
+    ),
     (["--reward-fn", "{root}/rewards.py:ok", "--reward-weights", "nan"], "--reward-weights", CHEAP),
-    (["--reward-fn", "{root}/rewards.py:ok", "--reward-model-path", "{root}/rm"], "--reward-fn and --reward-model-path", CHEAP),
+    (
+        ["--reward-fn", "{root}/rewards.py:ok", "--reward-model-path", "{root}/rm"],
+        "--reward-fn and --reward-model-path",
+        CHEAP,
+    ),
     (["--reward-fn", "{root}/rewards.py:raises"], "rewards.py:raises", RUN),
     (["--reward-fn", "{root}/rewards.py:text"], "rewards.py:text", RUN),
     (["--reward-fn", "{root}/rewards.py:nan"], "rewards.py:nan", RUN),
-    (["--reward-fn", "{root}/rewards.py:ok", "--format-reward", "0.5"], "--format-reward: is paid by the task's own reward", CHEAP),
-    (["--reward-fn", "{root}/rewards.py:ok", "--answer-format", "think", "--format-reward", "0.5"], "--format-reward: ", CHEAP),
-    (["--reward-model-path", "{root}/rm", "--format-reward", "0.5"], "--format-reward: the frozen reward model scores", CHEAP),
-    (["--reward-fn", "task", "--reward-fn", "{root}/rewards.py:task"], "--reward-fn {root}/rewards.py:task: logs as 'task'", CHEAP),
+    (
+        ["--reward-fn", "{root}/rewards.py:ok", "--format-reward", "0.5"],
+        "--format-reward: is paid by the task's own reward",
+        CHEAP,
+    ),
+    (
+        [
+            "--reward-fn",
+            "{root}/rewards.py:ok",
+            "--answer-format",
+            "think",
+            "--format-reward",
+            "0.5",
+        ],
+        "--format-reward: ",
+        CHEAP,
+    ),
+    (
+        ["--reward-model-path", "{root}/rm", "--format-reward", "0.5"],
+        "--format-reward: the frozen reward model scores",
+        CHEAP,
+    ),
+    (
+        ["--reward-fn", "task", "--reward-fn", "{root}/rewards.py:task"],
+        "--reward-fn {root}/rewards.py:task: logs as 'task'",
+        CHEAP,
+    ),
     (["--reward-fn", "task", "--reward-fn", "task"], "--reward-fn task: given twice", CHEAP),
     (["--answer-format", "xml"], "--answer-format: invalid choice 'xml'", CHEAP),
     (["--system-prompt", "a \ud800 b"], "--system-prompt", CHEAP),
     (["--prompt-field", "answer"], "--prompt-field and --answer-field must name two fields", CHEAP),
     (["--dataset", "{root}/eval_big.jsonl", "--prompt-field", "nope"], "eval_big.jsonl:1:", CHEAP),
-    (["--task", "countdown", "--max-prompt-length", "10"], "--max-prompt-length 10: only 0 training prompts fit", TOKENIZER),
+    (
+        ["--task", "countdown", "--max-prompt-length", "10"],
+        "--max-prompt-length 10: only 0 training prompts fit",
+        TOKENIZER,
+    ),
     (["--resume", "{other}"], "--resume:", CHEAP),
     (["--max-prompt-length", "1"], "--max-prompt-length 1: only 0 training prompts fit", TOKENIZER),
     (["--reward-model-path", "{model}"], "--reward-model-path: ", MODEL),
-    (["--reward-model-path", "{root}/small_rm"], "--reward-model-path: its vocabulary (10) is smaller", MODEL),
+    (
+        ["--reward-model-path", "{root}/small_rm"],
+        "--reward-model-path: its vocabulary (10) is smaller",
+        MODEL,
+    ),
     (["--reward-model-path", "{root}/no_rm"], "--reward-model-path: model directory", CHEAP),
-    (["--beta", "1e38", "--format-reward", "1", "--learning-rate", "0.01", "--total-steps", "3"], "non-finite", RUN),
-    (["--track"], "--track: wandb.init failed", RUN),  # no WANDB_* variable, netrc or settings: wandb refuses
-    (["--resume", "{ckpt}"], "--total-steps: this run already reached step 2; pass more than 2", CHEAP),
-    (["--resume", "{ckpt}", "--total-steps", "2"], "--total-steps: this run already reached step 2", CHEAP),
-    (["--resume", "{root}/{script}_removed_flag.pt", "--total-steps", "4"],
-     "_removed_flag.pt is not a {script}_lm.py checkpoint of this version (--kl-estimator: not a flag", CHEAP),
-    (["--resume", "{root}/{script}_wrong_type.pt", "--total-steps", "4"],
-     "_wrong_type.pt is not a {script}_lm.py checkpoint of this version (--learning-rate: must be a valid number", CHEAP),
+    (
+        ["--beta", "1e38", "--format-reward", "1", "--learning-rate", "0.01", "--total-steps", "3"],
+        "non-finite",
+        RUN,
+    ),
+    (
+        ["--track"],
+        "--track: wandb.init failed",
+        RUN,
+    ),  # no WANDB_* variable, netrc or settings: wandb refuses
+    (
+        ["--resume", "{ckpt}"],
+        "--total-steps: this run already reached step 2; pass more than 2",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{ckpt}", "--total-steps", "2"],
+        "--total-steps: this run already reached step 2",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{root}/{script}_removed_flag.pt", "--total-steps", "4"],
+        "_removed_flag.pt is not a {script}_lm.py checkpoint of this version (--kl-estimator: not "
+        "a flag",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{root}/{script}_wrong_type.pt", "--total-steps", "4"],
+        "_wrong_type.pt is not a {script}_lm.py checkpoint of this version (--learning-rate: must "
+        "be a valid number",
+        CHEAP,
+    ),
     (["--resume", ""], "--resume: expected a checkpoint file, not an empty path", CHEAP),
     (["--save-every", "-1"], "--save-every: must be greater than or equal to 0", CHEAP),
     (["--eval-every", "-3"], "--eval-every: must be greater than or equal to 0", CHEAP),
     (["--sample-every", "-1"], "--sample-every: must be greater than or equal to 0", CHEAP),
-    (["--resume", "{ckpt}", "--total-steps", "4", "--runs-dir", "{root}/elsewhere"],
-     "--runs-dir: cannot change when resuming", CHEAP),
-    (["--resume", "{ckpt}", "--total-steps", "4", "--run-name", "zzz"], "--run-name: cannot change when resuming", CHEAP),
-    (["--runs-dir", "{root}/runs", "--run-name", "{script}"],
-     "{root}/runs/{script} holds a checkpoint: resume it with --resume {root}/runs/{script}/checkpoint.pt", CHEAP),
+    (
+        ["--resume", "{ckpt}", "--total-steps", "4", "--runs-dir", "{root}/elsewhere"],
+        "--runs-dir: cannot change when resuming",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{ckpt}", "--total-steps", "4", "--run-name", "zzz"],
+        "--run-name: cannot change when resuming",
+        CHEAP,
+    ),
+    (
+        ["--runs-dir", "{root}/runs", "--run-name", "{script}"],
+        "{root}/runs/{script} holds a checkpoint: resume it with --resume "
+        "{root}/runs/{script}/checkpoint.pt",
+        CHEAP,
+    ),
     (["--reward-fn", "{root}/rewards.py:huge"], "rewards.py:huge returned 1e+39", RUN),
-    (["--resume", "{root}/{script}_nan.pt", "--total-steps", "4"], "_nan.pt holds non-finite values in policy.", CHEAP),
-    (["--resume", "{root}/{script}_nan.pt", "--eval-only"], "_nan.pt holds non-finite values in policy.", CHEAP),
-    (["--lora-rank", "4", "--lora-target-modules", "q_proj", "nonsense"],
-     "--lora-target-modules: 'nonsense' matches no module", MODEL),
-    (["--lora-rank", "4", "--lora-target-modules", "all-linear", "q_proj"], "--lora-target-modules: 'all-linear'", CHEAP),
-    (["--resume", "{ckpt}", "--total-steps", "4", "--eval-size", "3"], "--eval-size: cannot change when resuming", CHEAP),
-    (["--resume", "{ckpt}", "--eval-only", "--eval-size", "3"], "--eval-size 3: this run held out 2", CHEAP),
+    (
+        ["--resume", "{root}/{script}_nan.pt", "--total-steps", "4"],
+        "_nan.pt holds non-finite values in policy.",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{root}/{script}_nan.pt", "--eval-only"],
+        "_nan.pt holds non-finite values in policy.",
+        CHEAP,
+    ),
+    (
+        ["--lora-rank", "4", "--lora-target-modules", "q_proj", "nonsense"],
+        "--lora-target-modules: 'nonsense' matches no module",
+        MODEL,
+    ),
+    (
+        ["--lora-rank", "4", "--lora-target-modules", "all-linear", "q_proj"],
+        "--lora-target-modules: 'all-linear'",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{ckpt}", "--total-steps", "4", "--eval-size", "3"],
+        "--eval-size: cannot change when resuming",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{ckpt}", "--eval-only", "--eval-size", "3"],
+        "--eval-size 3: this run held out 2",
+        CHEAP,
+    ),
 ]
 
 GRPO = [
@@ -184,25 +398,65 @@ GRPO = [
     (["--loss-type", "ppo"], "--loss-type: invalid choice 'ppo'", CHEAP),
     (["--scale-rewards", "std"], "--scale-rewards: invalid choice 'std'", CHEAP),
     (["--supervision", "steps"], "--supervision: invalid choice 'steps'", CHEAP),
-    (["--importance-sampling-level", "seq"], "--importance-sampling-level: invalid choice 'seq'", CHEAP),
-    (["--iterations", "7", "--total-steps", "30"], "--iterations 7 must divide --total-steps 30", CHEAP),
+    (
+        ["--importance-sampling-level", "seq"],
+        "--importance-sampling-level: invalid choice 'seq'",
+        CHEAP,
+    ),
+    (
+        ["--iterations", "7", "--total-steps", "30"],
+        "--iterations 7 must divide --total-steps 30",
+        CHEAP,
+    ),
     (["--overlong-buffer", "4"], "--overlong-buffer must be in [0, --max-new-tokens)", CHEAP),
     (["--rm-replay-ratio", "1.0"], "--rm-replay-ratio: must be less than 1", CHEAP),
     (["--clip-range-high", "0"], "--clip-range-high: must be greater than 0", CHEAP),
-    (["--max-sampling-rounds", "0"], "--max-sampling-rounds: must be greater than or equal to 1", CHEAP),
+    (
+        ["--max-sampling-rounds", "0"],
+        "--max-sampling-rounds: must be greater than or equal to 1",
+        CHEAP,
+    ),
     (["--rm-learning-rate", "-1"], "--rm-learning-rate: must be greater than 0", CHEAP),
-    (["--train-reward-model"], "--train-reward-model without --reward-model-path needs --iterations >= 2", CHEAP),
+    (
+        ["--train-reward-model"],
+        "--train-reward-model without --reward-model-path needs --iterations >= 2",
+        CHEAP,
+    ),
     (["--fast-generation", "--use-vllm"], "unrecognized options: --use-vllm", CHEAP),  # removed
-    (["--resume", "{ckpt}", "--group-size", "4"], "--group-size: cannot change when resuming", CHEAP),
-    (["--resume", "{ckpt}", "--total-steps", "5", "--iterations", "5"], "--total-steps: this run has iterations of 2 steps", CHEAP),
-    (["--resume", "{ckpt}", "--beta", "1e38", "--total-steps", "4"], "non-finite gradient norm at step 3", RUN),
-    (["--lora-rank", "4", "--iterations", "2", "--total-steps", "2"], "--lora-rank with --iterations > 1", CHEAP),
-    (["--vllm-gpu-memory-utilization", "0.5"], "unrecognized options: --vllm-gpu-memory-utilization", CHEAP),
+    (
+        ["--resume", "{ckpt}", "--group-size", "4"],
+        "--group-size: cannot change when resuming",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{ckpt}", "--total-steps", "5", "--iterations", "5"],
+        "--total-steps: this run has iterations of 2 steps",
+        CHEAP,
+    ),
+    (
+        ["--resume", "{ckpt}", "--beta", "1e38", "--total-steps", "4"],
+        "non-finite gradient norm at step 3",
+        RUN,
+    ),
+    (
+        ["--lora-rank", "4", "--iterations", "2", "--total-steps", "2"],
+        "--lora-rank with --iterations > 1",
+        CHEAP,
+    ),
+    (
+        ["--vllm-gpu-memory-utilization", "0.5"],
+        "unrecognized options: --vllm-gpu-memory-utilization",
+        CHEAP,
+    ),
     (["--track", "--wandb-project-name"], "--wandb-project-name: missing value", CHEAP),
 ]
 
 PPO = [
-    (["--num-minibatches", "3"], "--prompts-per-step 4 must be divisible by --num-minibatches 3", CHEAP),
+    (
+        ["--num-minibatches", "3"],
+        "--prompts-per-step 4 must be divisible by --num-minibatches 3",
+        CHEAP,
+    ),
     (["--gamma", "1.5"], "--gamma: must be less than or equal to 1", CHEAP),
     (["--lam", "nan"], "--lam: must be a finite number", CHEAP),
     (["--vf-coef", "-1"], "--vf-coef: must be greater than 0", CHEAP),
@@ -215,7 +469,11 @@ PPO = [
     (["--value-learning-rate", "2"], "--value-learning-rate: must be less than 1", CHEAP),
     (["--kl-estimator", "k3"], "unrecognized options: --kl-estimator", CHEAP),
     (["--missing-eos-penalty", "1e38", "--total-steps", "3"], "non-finite loss", RUN),
-    (["--resume", "{ckpt}", "--missing-eos-penalty", "1e38", "--total-steps", "4"], "non-finite loss at step 3", RUN),
+    (
+        ["--resume", "{ckpt}", "--missing-eos-penalty", "1e38", "--total-steps", "4"],
+        "non-finite loss at step 3",
+        RUN,
+    ),
 ]
 
 CASES = [("grpo", *c) for c in SHARED + GRPO] + [("ppo", *c) for c in SHARED + PPO]
@@ -224,8 +482,13 @@ CASES = [("grpo", *c) for c in SHARED + GRPO] + [("ppo", *c) for c in SHARED + P
 def _argv(script: str, argv: list[str], files: dict[str, Path]) -> list[str]:
     root = files["root"]
     other = "ppo" if script == "grpo" else "grpo"
-    subs = {"{root}": str(root), "{model}": str(files["model"]), "{ckpt}": str(root / "runs" / script / "checkpoint.pt"),
-            "{other}": str(root / "runs" / other / "checkpoint.pt"), "{script}": script}
+    subs = {
+        "{root}": str(root),
+        "{model}": str(files["model"]),
+        "{ckpt}": str(root / "runs" / script / "checkpoint.pt"),
+        "{other}": str(root / "runs" / other / "checkpoint.pt"),
+        "{script}": script,
+    }
     out = []
     for a in argv:
         for key, value in subs.items():
@@ -237,13 +500,18 @@ def _argv(script: str, argv: list[str], files: dict[str, Path]) -> list[str]:
     return base + run + out
 
 
-@pytest.mark.parametrize("script, argv, message, stage", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES])
-def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, message, stage, files, capsys, monkeypatch,
-                                                               request):
+@pytest.mark.parametrize(
+    "script, argv, message, stage", CASES, ids=[f"{c[0]}:{' '.join(c[1])}" for c in CASES]
+)
+def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(
+    script, argv, message, stage, files, capsys, monkeypatch, request
+):
     if argv == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible: --device cuda is good input here")
     if "--track" in argv:
-        request.getfixturevalue("no_wandb_login")  # no credentials, nothing read from the user's home
+        request.getfixturevalue(
+            "no_wandb_login"
+        )  # no credentials, nothing read from the user's home
     module = grpo_lm if script == "grpo" else ppo_lm
     message = message.replace("{root}", str(files["root"])).replace("{script}", script)
     ckpt = files["root"] / "runs" / script / "checkpoint.pt"
@@ -257,8 +525,14 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(script, argv, me
         for name in ("load_model", "load_reward_model"):
             monkeypatch.setattr(common, name, too_early)
     monkeypatch.chdir(files["root"])  # a run that wrongly starts writes under the test's directory
-    assert_one_line_error(module.cli, _argv(script, argv, files), message, capsys, ckpt,
-                          cleanup=lambda: shutil.rmtree(files["root"] / "runs_new", ignore_errors=True))  # no run left
+    assert_one_line_error(
+        module.cli,
+        _argv(script, argv, files),
+        message,
+        capsys,
+        ckpt,
+        cleanup=lambda: shutil.rmtree(files["root"] / "runs_new", ignore_errors=True),
+    )  # no run left
 
 
 def test_the_table_is_large():
@@ -266,15 +540,22 @@ def test_the_table_is_large():
 
 
 @pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
-@pytest.mark.parametrize("argv, message", [(["--seed", "-1"], "--seed: must be greater than or equal to 0"),
-                                           (["--prompts-per-step", "3"], "must be divisible by the world size 2"),
-                                           (["--runs-dir", "/proc/self/runs"], "--runs-dir: cannot write in")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seed", "-1"], "--seed: must be greater than or equal to 0"),
+        (["--prompts-per-step", "3"], "must be divisible by the world size 2"),
+        (["--runs-dir", "/proc/self/runs"], "--runs-dir: cannot write in"),
+    ],
+)
 def test_torchrun_every_rank_stops_with_one_line(script, argv, message, tmp_path):
-    # every process finds the error before joining the process group; rank 0 prints it, torchrun then reports
-    # the failed processes with its own launcher's traceback, none from our files
+    # every process finds the error before joining the process group; rank 0 prints it, torchrun
+    # then reports the failed processes with its own launcher's traceback, none from our files
     out = torchrun(script, ["--device", "cpu", *argv], cwd=tmp_path)
     err = out.stdout + out.stderr
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and len(lines) == 1 and message in lines[0], err[-3000:]
     assert f"{script} FAILED" in err  # torchrun's own report
-    assert not any(f'File "{ROOT / name}"' in err for name in ("grpo_lm.py", "ppo_lm.py", "common.py"))
+    assert not any(
+        f'File "{ROOT / name}"' in err for name in ("grpo_lm.py", "ppo_lm.py", "common.py")
+    )

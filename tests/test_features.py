@@ -1,16 +1,17 @@
-"""What users reach for next (issue 16), wired into the LM scripts: their own reward functions from the command line,
-the think/answer format with a system prompt and a response prefix, their own JSONL data, Countdown."""
+"""What users reach for next (issue 16), wired into the LM scripts: their own reward functions from
+the command line, the think/answer format with a system prompt and a response prefix, their own
+JSONL data, Countdown."""
 
 import json
 
 import pytest
+from test_grpo_lm import tiny_args
 
 import common
 import grpo_lm
 import tasks
-from test_grpo_lm import tiny_args
 
-REWARDS = '''
+REWARDS = """
 def digits(completion, example):
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
@@ -21,7 +22,7 @@ def starts_with_prefix(completion, example):
 
 def answer_length(completion, example):
     return float(len(example["answer"]))
-'''
+"""
 
 
 @pytest.fixture
@@ -31,10 +32,18 @@ def reward_file(tmp_path):
     return path
 
 
-def test_weighted_reward_functions_are_summed_and_each_is_logged(tiny_model_dir, tmp_path, reward_file):
-    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, reward_fn=[f"{reward_file}:digits",
-                                                                                   f"{reward_file}:answer_length"],
-                               reward_weights=[1.0, 0.5]))
+def test_weighted_reward_functions_are_summed_and_each_is_logged(
+    tiny_model_dir, tmp_path, reward_file
+):
+    h = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=2,
+            reward_fn=[f"{reward_file}:digits", f"{reward_file}:answer_length"],
+            reward_weights=[1.0, 0.5],
+        )
+    )
     for step in range(2):
         total = h["reward/digits/mean"][step] + 0.5 * h["reward/answer_length/mean"][step]
         assert h["reward/mean"][step] == pytest.approx(total, rel=1e-6)
@@ -43,37 +52,100 @@ def test_weighted_reward_functions_are_summed_and_each_is_logged(tiny_model_dir,
 
 
 def test_the_task_spec_is_the_tasks_own_reward(tiny_model_dir, tmp_path, reward_file):
-    plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1, format_reward=0.5))
-    mixed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=1, format_reward=0.5,
-                                   reward_fn=["task", f"{reward_file}:answer_length"], reward_weights=[1.0, 0.0]))
+    plain = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1, format_reward=0.5)
+    )
+    mixed = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path / "b",
+            total_steps=1,
+            format_reward=0.5,
+            reward_fn=["task", f"{reward_file}:answer_length"],
+            reward_weights=[1.0, 0.0],
+        )
+    )
     assert mixed["reward/task/mean"] == plain["reward/mean"] == mixed["reward/mean"]
 
 
 def test_reward_functions_read_the_response_prefix(tiny_model_dir, tmp_path, reward_file):
     # --response-prefix is written for the model; the reward functions see it + the completion
-    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, response_prefix="<think>", answer_format="think",
-                               system_prompt="Think first.", reward_fn=[f"{reward_file}:starts_with_prefix"]))
-    assert h["reward/mean"] == [1.0] and h["reward/accuracy"] == [0.0]  # the random model writes no <answer> block
+    h = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=1,
+            response_prefix="<think>",
+            answer_format="think",
+            system_prompt="Think first.",
+            reward_fn=[f"{reward_file}:starts_with_prefix"],
+        )
+    )
+    assert h["reward/mean"] == [1.0] and h["reward/accuracy"] == [
+        0.0
+    ]  # the random model writes no <answer> block
     args = grpo_lm.Args(answer_format="think")
-    assert tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix) == (tasks.THINK_ANSWER_SYSTEM_PROMPT, "")
+    assert tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix) == (
+        tasks.THINK_ANSWER_SYSTEM_PROMPT,
+        "",
+    )
 
 
 def test_own_jsonl_data_with_other_field_names(tiny_model_dir, tmp_path, reward_file):
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"q": f"{a} and {b}?", "a": "yes" if a > b else "no"}) + "\n"
-                            for a in range(6) for b in range(6)))
-    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, dataset=str(data), prompt_field="q",
-                               answer_field="a", reward_fn=[f"{reward_file}:answer_length"]))
-    assert 2 <= h["reward/mean"][0] <= 3 and "eval/accuracy" in h  # "no" and "yes"; text answers checked as text
-    with pytest.raises(common.UsageError, match=r"data.jsonl:1: answer 'no' is not a number"):  # the built-in reward
-        grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, dataset=str(data), prompt_field="q", answer_field="a",
-                               run_name="builtin"))  # a run of its own: "run" holds the first one's checkpoint
+    data.write_text(
+        "".join(
+            json.dumps({"q": f"{a} and {b}?", "a": "yes" if a > b else "no"}) + "\n"
+            for a in range(6)
+            for b in range(6)
+        )
+    )
+    h = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=1,
+            dataset=str(data),
+            prompt_field="q",
+            answer_field="a",
+            reward_fn=[f"{reward_file}:answer_length"],
+        )
+    )
+    assert (
+        2 <= h["reward/mean"][0] <= 3 and "eval/accuracy" in h
+    )  # "no" and "yes"; text answers checked as text
+    with pytest.raises(
+        common.UsageError, match=r"data.jsonl:1: answer 'no' is not a number"
+    ):  # the built-in reward
+        grpo_lm.main(
+            tiny_args(
+                tiny_model_dir,
+                tmp_path,
+                total_steps=1,
+                dataset=str(data),
+                prompt_field="q",
+                answer_field="a",
+                run_name="builtin",
+            )
+        )  # a run of its own: "run" holds the first one's checkpoint
 
 
 def test_countdown_runs(tiny_model_dir, tmp_path):
-    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, task="countdown", answer_format="think",
-                               format_reward=0.1, max_prompt_length=1000))
-    assert h["reward/mean"] == [0.0] and h["eval/accuracy"] == [0.0, 0.0]  # a random model solves none
+    h = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=1,
+            task="countdown",
+            answer_format="think",
+            format_reward=0.1,
+            max_prompt_length=1000,
+        )
+    )
+    assert h["reward/mean"] == [0.0] and h["eval/accuracy"] == [
+        0.0,
+        0.0,
+    ]  # a random model solves none
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,48 +160,81 @@ def ppo_args(model_dir, tmp_path, **kw):
 def test_ppo_weighted_reward_functions(tiny_model_dir, tmp_path, reward_file):
     import ppo_lm
 
-    h = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, reward_fn=[f"{reward_file}:digits",
-                                                                                 f"{reward_file}:answer_length"],
-                             reward_weights=[2.0, 1.0]))
+    h = ppo_lm.main(
+        ppo_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=1,
+            reward_fn=[f"{reward_file}:digits", f"{reward_file}:answer_length"],
+            reward_weights=[2.0, 1.0],
+        )
+    )
     total = 2 * h["reward/digits/mean"][0] + h["reward/answer_length/mean"][0]
-    assert h["reward/mean"][0] == pytest.approx(total, rel=1e-6) and 2 <= h["reward/answer_length/mean"][0] <= 3
+    assert (
+        h["reward/mean"][0] == pytest.approx(total, rel=1e-6)
+        and 2 <= h["reward/answer_length/mean"][0] <= 3
+    )
 
 
 def test_ppo_countdown_with_the_think_format(tiny_model_dir, tmp_path):
     import ppo_lm
 
-    h = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, task="countdown", answer_format="think",
-                             response_prefix="<think>", max_prompt_length=1000))
+    h = ppo_lm.main(
+        ppo_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=1,
+            task="countdown",
+            answer_format="think",
+            response_prefix="<think>",
+            max_prompt_length=1000,
+        )
+    )
     assert h["reward/mean"] == [0.0] and h["reward/accuracy"] == [0.0]
 
 
 def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
-    # as grpo's test: --eval-only from checkpoint.pt and from final_model gives the last accuracy training logged,
-    # which training moved (so neither can be the untrained model's)
-    import ppo_lm
+    # as grpo's test: --eval-only from checkpoint.pt and from final_model gives the last accuracy
+    # training logged, which training moved (so neither can be the untrained model's)
     from test_grpo_lm import digit_task
 
+    import ppo_lm
+
     task = digit_task()
-    task.correct_fn = lambda completion, example: sum(c.isdigit() for c in completion) >= 3  # what the reward teaches
+    task.correct_fn = lambda completion, example: (
+        sum(c.isdigit() for c in completion) >= 3
+    )  # what the reward teaches
     kw = dict(total_steps=2, eval_size=8, beta=0.01)
     trained = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, **kw), task=task)
     run = tmp_path / "run"
-    from_ckpt = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, eval_only=True, resume=str(run / "checkpoint.pt"), **kw),
-                            task=task)
-    from_model = ppo_lm.main(ppo_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"), task=task)
+    from_ckpt = ppo_lm.main(
+        ppo_args(tiny_model_dir, tmp_path, eval_only=True, resume=str(run / "checkpoint.pt"), **kw),
+        task=task,
+    )
+    from_model = ppo_lm.main(
+        ppo_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"),
+        task=task,
+    )
     assert trained["eval/accuracy"] == [0.0, 1.0]  # training moved it: a real comparison
     assert from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == [1.0]
     assert json.loads((run / "eval_step2.json").read_text())["accuracy"] == 1.0
     assert (tmp_path / "eval" / "eval.json").is_file()
 
 
-def test_ppo_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
-    # --track in ppo_lm, as in grpo_lm: the config and the synced TensorBoard scalars in wandb's offline run
-    import ppo_lm
+def test_ppo_track_writes_an_offline_wandb_run(
+    tiny_model_dir, tmp_path, monkeypatch, no_wandb_login
+):
+    # --track in ppo_lm, as in grpo_lm: the config and the synced TensorBoard scalars in wandb's
+    # offline run
     from test_grpo_lm import digit_task
 
+    import ppo_lm
+
     monkeypatch.setenv("WANDB_MODE", "offline")
-    ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"), task=digit_task())
+    ppo_lm.main(
+        ppo_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
+        task=digit_task(),
+    )
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     record = runs[0].read_bytes()  # wandb's own log
@@ -141,42 +246,92 @@ def test_ppo_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeyp
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
 def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp_path, reward_file):
-    # the same paths with other contents: the data and the reward of the steps left would not be the run's
+    # the same paths with other contents: the data and the reward of the steps left would not be the
+    # run's
     module = __import__(module)
     rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(30)]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     size = dict(group_size=4) if module is grpo_lm else {}
-    kw = dict(model_name_or_path=str(tiny_model_dir), runs_dir=str(tmp_path), run_name="run", prompts_per_step=4,
-              max_new_tokens=4, eval_size=4, eval_every=0, sample_every=0, total_steps=1, seed=3, torch_threads=1,
-              dataset=str(data), reward_fn=[f"{reward_file}:digits"], **size)
+    kw = dict(
+        model_name_or_path=str(tiny_model_dir),
+        runs_dir=str(tmp_path),
+        run_name="run",
+        prompts_per_step=4,
+        max_new_tokens=4,
+        eval_size=4,
+        eval_every=0,
+        sample_every=0,
+        total_steps=1,
+        seed=3,
+        torch_threads=1,
+        dataset=str(data),
+        reward_fn=[f"{reward_file}:digits"],
+        **size,
+    )
     module.main(module.Args(**kw))
     ckpt = str(tmp_path / "run" / "checkpoint.pt")
     resume = module.Args(**{**kw, "resume": ckpt, "total_steps": 2})
     with open(data, "a") as f:  # a line added
         f.write(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
-    with pytest.raises(common.UsageError, match=r"^--dataset: .*data.jsonl has changed since this run started"):
+    with pytest.raises(
+        common.UsageError, match=r"^--dataset: .*data.jsonl has changed since this run started"
+    ):
         module.main(resume)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # back as it was: resumes
     reward_file.write_text(REWARDS + "\n# edited\n")
-    with pytest.raises(common.UsageError, match=r"^--reward-fn: .*my_rewards.py has changed since this run started"):
+    with pytest.raises(
+        common.UsageError, match=r"^--reward-fn: .*my_rewards.py has changed since this run started"
+    ):
         module.main(resume)
     reward_file.write_text(REWARDS)
     assert module.main(resume)["reward/mean"]  # the same files: the run goes on
 
 
 @pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
-@pytest.mark.parametrize("change", [dict(task="multistep"), dict(answer_format="think"), dict(system_prompt="Be brief."),
-                                    dict(response_prefix="The answer:"), dict(format_reward=0.5), dict(max_prompt_length=100),
-                                    dict(reward_fn=["task"]), dict(reward_weights=[2.0])])
-def test_resume_refuses_a_change_of_task_prompt_or_reward(module, change, tiny_model_dir, tmp_path, reward_file):
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(task="multistep"),
+        dict(answer_format="think"),
+        dict(system_prompt="Be brief."),
+        dict(response_prefix="The answer:"),
+        dict(format_reward=0.5),
+        dict(max_prompt_length=100),
+        dict(reward_fn=["task"]),
+        dict(reward_weights=[2.0]),
+    ],
+)
+def test_resume_refuses_a_change_of_task_prompt_or_reward(
+    module, change, tiny_model_dir, tmp_path, reward_file
+):
     module = __import__(module)
     size = dict(group_size=4) if module is grpo_lm else {}
-    kw = dict(model_name_or_path=str(tiny_model_dir), runs_dir=str(tmp_path), run_name="run", prompts_per_step=4,
-              max_new_tokens=4, eval_size=4, eval_every=0, sample_every=0, total_steps=1, seed=3, torch_threads=1,
-              reward_fn=["task"] if "reward_weights" in change else [], **size)
+    kw = dict(
+        model_name_or_path=str(tiny_model_dir),
+        runs_dir=str(tmp_path),
+        run_name="run",
+        prompts_per_step=4,
+        max_new_tokens=4,
+        eval_size=4,
+        eval_every=0,
+        sample_every=0,
+        total_steps=1,
+        seed=3,
+        torch_threads=1,
+        reward_fn=["task"] if "reward_weights" in change else [],
+        **size,
+    )
     module.main(module.Args(**kw))
     flag = common.flag_name(next(iter(change)))
     with pytest.raises(common.UsageError, match=rf"^{flag}: cannot change when resuming"):
-        module.main(module.Args(**{**kw, **change, "resume": str(tmp_path / "run" / "checkpoint.pt"),
-                                   "total_steps": 2}))
+        module.main(
+            module.Args(
+                **{
+                    **kw,
+                    **change,
+                    "resume": str(tmp_path / "run" / "checkpoint.pt"),
+                    "total_steps": 2,
+                }
+            )
+        )

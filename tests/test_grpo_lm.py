@@ -1,4 +1,5 @@
-"""grpo_lm.py: equations against hand-computed numbers, learning on a tiny model, CLI, resume, errors."""
+"""grpo_lm.py: equations against hand-computed numbers, learning on a tiny model, CLI, resume,
+errors."""
 
 import json
 import math
@@ -7,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, tb_scalars
 
 import common
 import grpo_lm
 import tasks
-from conftest import ROOT, tb_scalars
 
 LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
 
@@ -22,7 +23,8 @@ LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
 def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 1.0])
     adv = grpo_lm.group_advantages(rewards, group_size=4, eps=1e-4)
-    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> 0; group 3: mean 1, std sqrt(2/3)
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> 0; group 3: mean 1, std
+    # sqrt(2/3)
     s1, s3 = math.sqrt(1 / 3) + 1e-4, math.sqrt(2 / 3) + 1e-4
     expected = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, 0, 0, 0, 0, 1 / s3, -1 / s3, 0, 0]
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=0, atol=1e-6)
@@ -54,8 +56,16 @@ def test_k3_kl_values_nonnegative_and_zero_when_equal():
 )
 def test_clipped_surrogate_value_and_gradient(ratio, adv, loss, grad):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    out, stats = grpo_lm.grpo_loss(logp, torch.zeros(1, 1), None, torch.tensor([adv]), torch.ones(1, 1),
-                                   clip_range=0.2, beta=0.0, num_sequences=1)
+    out, stats = grpo_lm.grpo_loss(
+        logp,
+        torch.zeros(1, 1),
+        None,
+        torch.tensor([adv]),
+        torch.ones(1, 1),
+        clip_range=0.2,
+        beta=0.0,
+        num_sequences=1,
+    )
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert logp.grad.item() == pytest.approx(grad, abs=1e-6)
@@ -71,12 +81,19 @@ def test_completion_mask_stops_after_first_eos():
 def test_per_sequence_length_normalisation_and_masking():
     # A = 0, so only the KL term (beta = 1) remains. Sequence 1 has 1 valid token, sequence 2 has 3.
     logp = torch.zeros(2, 3)
-    ref = torch.tensor([[LOG_HALF, 50.0, 50.0],  # tokens after EOS are garbage and must not count
-                        [0.0, 0.0, LOG_2]])
+    ref = torch.tensor(
+        [
+            [LOG_HALF, 50.0, 50.0],  # tokens after EOS are garbage and must not count
+            [0.0, 0.0, LOG_2],
+        ]
+    )
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
-    loss, _ = grpo_lm.grpo_loss(logp, logp, ref, torch.zeros(2), mask, 0.2, beta=1.0, num_sequences=2)
+    loss, _ = grpo_lm.grpo_loss(
+        logp, logp, ref, torch.zeros(2), mask, 0.2, beta=1.0, num_sequences=2
+    )
     kl_half, kl_two = 0.5 - LOG_HALF - 1, 2 - LOG_2 - 1
-    # eq. 3: 1/G sum_i 1/|o_i| sum_t -> (kl_half / 1 + kl_two / 3) / 2 = 0.14772 (a token mean gives 0.125)
+    # eq. 3: 1/G sum_i 1/|o_i| sum_t -> (kl_half / 1 + kl_two / 3) / 2 = 0.14772 (a token mean gives
+    # 0.125)
     assert loss.item() == pytest.approx((kl_half + kl_two / 3) / 2, abs=1e-6)
 
 
@@ -85,24 +102,46 @@ def test_micro_batch_losses_add_up_to_the_full_batch_loss():
     logp, old, ref = (torch.randn(6, 5, generator=g) * 0.1 for _ in range(3))
     adv, mask = torch.randn(6, generator=g), (torch.rand(6, 5, generator=g) > 0.3).float()
     full, _ = grpo_lm.grpo_loss(logp, old, ref, adv, mask, 0.2, 0.04, num_sequences=6)
-    parts = sum(grpo_lm.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6)[0]
-                for s in (slice(0, 2), slice(2, 6)))
+    parts = sum(
+        grpo_lm.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6)[0]
+        for s in (slice(0, 2), slice(2, 6))
+    )
     torch.testing.assert_close(full, parts)
 
 
 def test_token_log_probs_ignore_left_padding(tiny_model_dir):
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
-    prompts = tok(["What is 1 + 2?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False)
-    completions = tok(["3<eos>", "2<eos>"], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    prompts = tok(
+        ["What is 1 + 2?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    completions = tok(["3<eos>", "2<eos>"], return_tensors="pt", add_special_tokens=False)[
+        "input_ids"
+    ]
     att, first = torch.ones_like(completions), torch.arange(2)
     alone = tok(["1+1=2<eos>"], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         for share in (True, False):
-            batched = grpo_lm.token_log_probs(model, prompts["input_ids"], prompts["attention_mask"], first,
-                                              completions, att, 0.7, share)
-            single = grpo_lm.token_log_probs(model, alone["input_ids"][:, :-2], alone["attention_mask"][:, :-2],
-                                             first[:1], completions[1:], att[1:], 0.7, share)
+            batched = grpo_lm.token_log_probs(
+                model,
+                prompts["input_ids"],
+                prompts["attention_mask"],
+                first,
+                completions,
+                att,
+                0.7,
+                share,
+            )
+            single = grpo_lm.token_log_probs(
+                model,
+                alone["input_ids"][:, :-2],
+                alone["attention_mask"][:, :-2],
+                first[:1],
+                completions[1:],
+                att[1:],
+                0.7,
+                share,
+            )
             torch.testing.assert_close(batched[1], single[0], atol=1e-5, rtol=1e-5)
         logits = model(**alone).logits[0, -3:-1] / 0.7
     manual = logits.log_softmax(-1).gather(1, alone["input_ids"][0, -2:, None]).squeeze(1)
@@ -121,16 +160,26 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = old
 
 
-@pytest.mark.parametrize("device, bf16", [("cpu", False), pytest.param("cuda", False, marks=CUDA),
-                                          pytest.param("cuda", True, marks=CUDA)])
-def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(tiny_model_dir, device, bf16, no_tf32):
+@pytest.mark.parametrize(
+    "device, bf16",
+    [
+        ("cpu", False),
+        pytest.param("cuda", False, marks=CUDA),
+        pytest.param("cuda", True, marks=CUDA),
+    ],
+)
+def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
+    tiny_model_dir, device, bf16, no_tf32
+):
     # 2 left-padded prompts, 3 completions each of different lengths (right-padded after the EOS):
     # one pass per prompt with its keys and values reused must give the whole-sequence numbers,
     # and the same gradient for every parameter (the prompt's share summed over its completions).
     # On CUDA: float32 without TF32 to the same tolerance, and under --bf16 autocast to bf16's.
     model = common.load_model(str(tiny_model_dir)).to(device)
     tok = common.load_tokenizer(str(tiny_model_dir))
-    prompts = tok(["What is 12 + 30?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    prompts = tok(
+        ["What is 12 + 30?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False
+    ).to(device)
     texts = ["42<eos>", "4 2<eos>", "forty<eos>", "2<eos>", "11<eos>", "2, yes<eos>"]
     rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     T = max(map(len, rows))
@@ -142,17 +191,32 @@ def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(tiny_mod
     for share in (True, False):
         model.zero_grad()
         with common.bf16_autocast(torch.device(device), bf16):
-            logp = grpo_lm.token_log_probs(model, prompts["input_ids"], prompts["attention_mask"], prompt_index,
-                                           completions, att, 0.7, share)
+            logp = grpo_lm.token_log_probs(
+                model,
+                prompts["input_ids"],
+                prompts["attention_mask"],
+                prompt_index,
+                completions,
+                att,
+                0.7,
+                share,
+            )
         assert logp.dtype == torch.float32  # log-softmax stays float32 under autocast
         (logp * weights).sum().backward()
-        out[share] = (logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    tol = dict(atol=3e-2, rtol=3e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)  # bf16: 8 mantissa bits
+        out[share] = (
+            logp.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        )
+    tol = (
+        dict(atol=3e-2, rtol=3e-2) if bf16 else dict(atol=1e-5, rtol=1e-5)
+    )  # bf16: 8 mantissa bits
     torch.testing.assert_close(out[True][0] * att, out[False][0] * att, **tol)
     assert out[True][1].keys() == out[False][1].keys() and len(out[True][1]) > 5
     for name, grad in out[False][1].items():
         if bf16:  # different matmul shapes round differently: compare directions, not entries
-            cos = torch.nn.functional.cosine_similarity(out[True][1][name].flatten(), grad.flatten(), dim=0)
+            cos = torch.nn.functional.cosine_similarity(
+                out[True][1][name].flatten(), grad.flatten(), dim=0
+            )
             assert cos > 0.99, (name, cos.item())
         else:
             torch.testing.assert_close(out[True][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
@@ -198,7 +262,9 @@ def test_gsm8k_loader_real_file_and_errors(tmp_path):
     with pytest.raises(common.UsageError, match=r"bad.jsonl:2: not valid JSON"):
         tasks.load_jsonl_task(bad, num_test=0)
     bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
-    with pytest.raises(common.UsageError, match=r"bad.jsonl:1: answer 'no final number' is not a number"):
+    with pytest.raises(
+        common.UsageError, match=r"bad.jsonl:1: answer 'no final number' is not a number"
+    ):
         tasks.load_jsonl_task(bad, num_test=0)
     with pytest.raises(common.UsageError, match="cannot read .*missing.jsonl: No such file"):
         tasks.load_jsonl_task(tmp_path / "missing.jsonl", 0)
@@ -209,7 +275,9 @@ def test_gsm8k_loader_real_file_and_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------
 def digit_task() -> tasks.Task:
     """Trivially learnable: the reward is the fraction of completion characters that are digits."""
-    examples = [{"question": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    examples = [
+        {"question": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(10)
+    ]
 
     def digits(completion: str, example: dict) -> float:
         return sum(c.isdigit() for c in completion) / max(len(completion), 1)
@@ -218,9 +286,22 @@ def digit_task() -> tasks.Task:
 
 
 def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
-    base = dict(model_name_or_path=str(model_dir), runs_dir=str(tmp_path), run_name="run", prompts_per_step=4,
-                group_size=8, max_new_tokens=12, learning_rate=1e-2, temperature=1.0, eval_size=8,
-                eval_every=0, sample_every=0, save_every=0, total_steps=2, seed=3)
+    base = dict(
+        model_name_or_path=str(model_dir),
+        runs_dir=str(tmp_path),
+        run_name="run",
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=12,
+        learning_rate=1e-2,
+        temperature=1.0,
+        eval_size=8,
+        eval_every=0,
+        sample_every=0,
+        save_every=0,
+        total_steps=2,
+        seed=3,
+    )
     base.update(kw)
     return grpo_lm.Args(**base)
 
@@ -235,31 +316,70 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
 
 
 def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
-    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights follow the policy
-    history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=25, fast_generation=True), task=digit_task())
+    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights
+    # follow the policy
+    history = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=25, fast_generation=True), task=digit_task()
+    )
     rewards = history["reward/mean"]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
-    full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=4, save_every=2, mu=2), task=digit_task())
+    full = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=4, save_every=2, mu=2),
+        task=digit_task(),
+    )
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, mu=2), task=digit_task())
-    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=4, mu=2,
-                                     resume=str(tmp_path / "b" / "run" / "checkpoint.pt")), task=digit_task())
+    resumed = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path / "b",
+            total_steps=4,
+            mu=2,
+            resume=str(tmp_path / "b" / "run" / "checkpoint.pt"),
+        ),
+        task=digit_task(),
+    )
     for key in ("loss/policy", "reward/mean", "loss/kl", "optim/grad_norm"):
         assert resumed[key] == pytest.approx(full[key][2:], rel=1e-5, abs=1e-7), key
     assert abs(full["loss/policy"][3]) > 0  # a real, non-trivial loss was compared
-    assert common.load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt")["reference"] is None  # one iteration: unchanged
+    assert (
+        common.load_checkpoint(tmp_path / "b" / "run" / "checkpoint.pt")["reference"] is None
+    )  # one iteration: unchanged
 
 
 def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_path):
-    cmd = [sys.executable, str(ROOT / "grpo_lm.py"), "--model-name-or-path", str(tiny_model_dir), "--total-steps", "2",
-           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--eval-size", "4",
-           "--sample-every", "1", "--runs-dir", str(tmp_path), "--run-name", "cli", "--beta", "0.1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "grpo_lm.py"),
+        "--model-name-or-path",
+        str(tiny_model_dir),
+        "--total-steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--eval-size",
+        "4",
+        "--sample-every",
+        "1",
+        "--runs-dir",
+        str(tmp_path),
+        "--run-name",
+        "cli",
+        "--beta",
+        "0.1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     run = tmp_path / "cli"
-    assert list(run.glob("events.out.tfevents.*")) and (run / "final_model" / "config.json").is_file()
+    assert (
+        list(run.glob("events.out.tfevents.*")) and (run / "final_model" / "config.json").is_file()
+    )
     ckpt = common.load_checkpoint(run / "checkpoint.pt")
     assert ckpt["step"] == 2 and ckpt["args"]["group_size"] == 4
     assert "step 2 samples" in out.stdout + out.stderr
@@ -270,16 +390,30 @@ def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_pa
     [
         (["--group-size", "1"], "--group-size: must be greater than or equal to 2"),
         (["--max-new-tokens", "0"], "--max-new-tokens: must be greater than or equal to 1"),
-        (["--model-name-or-path", "./no/such/model"], "--model-name-or-path: model directory ./no/such/model does not exist"),
-        (["--dataset", "missing.jsonl"], "--dataset: cannot read missing.jsonl: No such file or directory"),
+        (
+            ["--model-name-or-path", "./no/such/model"],
+            "--model-name-or-path: model directory ./no/such/model does not exist",
+        ),
+        (
+            ["--dataset", "missing.jsonl"],
+            "--dataset: cannot read missing.jsonl: No such file or directory",
+        ),
         (["--resume", "nothing.pt"], "--resume: checkpoint file nothing.pt does not exist"),
     ],
 )
 def test_cli_bad_input_is_one_line(flags, message, tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "grpo_lm.py"), *flags], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "grpo_lm.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == f"error: {message}" or message in out.stderr.strip().splitlines()[-1]
+    assert (
+        out.stderr.strip().splitlines()[-1] == f"error: {message}"
+        or message in out.stderr.strip().splitlines()[-1]
+    )
     assert "Traceback" not in out.stderr
 
 
@@ -293,18 +427,25 @@ def test_raising_reward_function_is_reported_and_saved_work_kept(tiny_model_dir,
         raise KeyError("score")
 
     task.reward_fn = broken
-    with pytest.raises(common.UsageError, match=r"reward function of task 'digits' raised KeyError"):
-        grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, resume=str(ckpt)), task=task)
+    with pytest.raises(
+        common.UsageError, match=r"reward function of task 'digits' raised KeyError"
+    ):
+        grpo_lm.main(
+            tiny_args(tiny_model_dir, tmp_path, total_steps=3, resume=str(ckpt)), task=task
+        )
     assert ckpt.stat().st_mtime_ns == before and common.load_checkpoint(ckpt)["step"] == 1
 
 
 @pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True), dict(share_prompt=False)])
 def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, flags):
-    # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared prompt pass
+    # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared
+    # prompt pass
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", beta=0.1), task=digit_task())
-    ckpt = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, **flags), task=digit_task())
-    # float32 on the CPU; on CUDA, bf16 autocast rounds the checkpointed whole-sequence pass and the shared
-    # prompt pass differently (measured on an H100: 3e-4 relative on a policy loss of 6e-4)
+    ckpt = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, **flags), task=digit_task()
+    )
+    # float32 on the CPU; on CUDA, bf16 autocast rounds the checkpointed whole-sequence pass and the
+    # shared prompt pass differently (measured on an H100: 3e-4 relative on a policy loss of 6e-4)
     tol = dict(rel=2e-3, abs=1e-6) if torch.cuda.is_available() else dict(rel=1e-5, abs=1e-7)
     for key in ("loss/policy", "loss/kl", "optim/grad_norm", "reward/mean"):
         assert ckpt[key] == pytest.approx(plain[key], **tol), key
@@ -315,25 +456,40 @@ def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, 
 # Numerics off the default path (issue 13, "Trust I")
 # ---------------------------------------------------------------------------------------------
 def _batch(tok):
-    prompts = tok(["What is 12 + 30?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False)
-    rows = [tok(t, add_special_tokens=False)["input_ids"] for t in ["42<eos>", "forty two<eos>", "2<eos>", "11, 2<eos>"]]
+    prompts = tok(
+        ["What is 12 + 30?", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False
+    )
+    rows = [
+        tok(t, add_special_tokens=False)["input_ids"]
+        for t in ["42<eos>", "forty two<eos>", "2<eos>", "11, 2<eos>"]
+    ]
     T = max(map(len, rows))
     completions = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
     att = grpo_lm.completion_mask(completions, tok.eos_token_id).long()
-    return prompts["input_ids"], prompts["attention_mask"], torch.tensor([0, 0, 1, 1]), completions, att
+    return (
+        prompts["input_ids"],
+        prompts["attention_mask"],
+        torch.tensor([0, 0, 1, 1]),
+        completions,
+        att,
+    )
 
 
 @pytest.mark.parametrize("share", [True, False])
 def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_dir, share):
-    # item 4: under bf16 autocast the body may run in bf16, but the LM head and the log-softmax of every log prob
-    # that enters the loss run in float32 (CPU autocast stands in for CUDA's here)
+    # item 4: under bf16 autocast the body may run in bf16, but the LM head and the log-softmax of
+    # every log prob that enters the loss run in float32 (CPU autocast stands in for CUDA's here)
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompt_ids, prompt_mask, index, completions, att = _batch(tok)
     heads = []  # what the LM head computed, from what, in every forward pass of token_log_probs
-    hook = model.lm_head.register_forward_hook(lambda module, inputs, output: heads.append((inputs[0], output)))
+    hook = model.lm_head.register_forward_hook(
+        lambda module, inputs, output: heads.append((inputs[0], output))
+    )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logp = grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, 0.7, share)
+        logp = grpo_lm.token_log_probs(
+            model, prompt_ids, prompt_mask, index, completions, att, 0.7, share
+        )
         bf16 = model.lm_head(heads[-1][0])  # what the head would give under autocast on its own
     hook.remove()
     assert len(heads) == (2 if share else 1) + 1 and bf16.dtype == torch.bfloat16
@@ -341,15 +497,18 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
         assert logits.dtype == torch.float32
         assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), model.lm_head.weight))
     T = completions.shape[1]
-    if not share:  # the whole log prob, by hand: log_softmax(float32 logits / T) at the sampled tokens
-        hidden = heads[0][0][:, -T - 1:-1] if heads[0][0].shape[1] > T else heads[0][0][:, :-1]
+    if (
+        not share
+    ):  # the whole log prob, by hand: log_softmax(float32 logits / T) at the sampled tokens
+        hidden = heads[0][0][:, -T - 1 : -1] if heads[0][0].shape[1] > T else heads[0][0][:, :-1]
         logits = torch.nn.functional.linear(hidden.float(), model.lm_head.weight) / 0.7
         expected = logits.log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
         torch.testing.assert_close(logp, expected, atol=1e-6, rtol=0)
 
 
 def test_fast_generation_sampler_casts_parameters_only(tiny_model_dir):
-    # item 5: the bf16 sampler copy keeps float32 buffers (RoPE's inv_freq), as from_pretrained(dtype=bf16) and vLLM do
+    # item 5: the bf16 sampler copy keeps float32 buffers (RoPE's inv_freq), as
+    # from_pretrained(dtype=bf16) and vLLM do
     policy = common.load_model(str(tiny_model_dir))
     sampler = common.bf16_sampler(policy)
     assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
@@ -357,14 +516,19 @@ def test_fast_generation_sampler_casts_parameters_only(tiny_model_dir):
     assert any("inv_freq" in name for name in buffers)
     for name, b in policy.named_buffers():
         assert buffers[name].dtype == b.dtype and torch.equal(buffers[name], b), name
-    assert {p.dtype for p in policy.parameters()} == {torch.float32} and not any(p.requires_grad for p in sampler.parameters())
+    assert {p.dtype for p in policy.parameters()} == {torch.float32} and not any(
+        p.requires_grad for p in sampler.parameters()
+    )
 
 
 def test_masked_positions_never_reach_the_exponent():
-    # item 6: post-EOS positions may hold anything; exp() of their log ratios must not turn the loss into NaN
+    # item 6: post-EOS positions may hold anything; exp() of their log ratios must not turn the loss
+    # into NaN
     logp = torch.tensor([[-1.0, 0.0], [-2.0, -3.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
-    old = torch.tensor([[-1.1, -1000.0], [-2.0, -3.0]])  # exp(logp - old) overflows at the masked position
+    old = torch.tensor(
+        [[-1.1, -1000.0], [-2.0, -3.0]]
+    )  # exp(logp - old) overflows at the masked position
     ref = torch.tensor([[-0.9, 1000.0], [-2.5, -3.0]])  # exp(ref - logp) overflows there too
     clean_old, clean_ref = old.clone(), ref.clone()
     clean_old[0, 1], clean_ref[0, 1] = 0.0, 0.0
@@ -372,28 +536,53 @@ def test_masked_positions_never_reach_the_exponent():
         out = {}
         for name, (o, r) in {"overflow": (old, ref), "clean": (clean_old, clean_ref)}.items():
             logp.grad = None
-            loss, stats = grpo_lm.grpo_loss(logp, o, r, torch.tensor([1.0, -0.5]), mask, 0.2, 0.04, 2,
-                                            importance_sampling_level=level)
+            loss, stats = grpo_lm.grpo_loss(
+                logp,
+                o,
+                r,
+                torch.tensor([1.0, -0.5]),
+                mask,
+                0.2,
+                0.04,
+                2,
+                importance_sampling_level=level,
+            )
             loss.backward()
             out[name] = (loss.detach(), logp.grad.clone(), stats["kl"])
         assert torch.isfinite(out["overflow"][0]), level
-        for a, b in zip(out["overflow"], out["clean"]):
+        for a, b in zip(out["overflow"], out["clean"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_truncated_importance_sampling_weights_the_surrogate():
     # item 4: with a sampler other than the trained module, TIS weights each token's surrogate by
-    # min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL's token_truncate); the KL term is not weighted
+    # min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL's token_truncate); the KL term is not
+    # weighted
     logp = torch.zeros(1, 3, requires_grad=True)  # --mu 1: old = logp.detach(), ratio 1
-    sampler = torch.tensor([[-math.log(4.0), math.log(2.0), 0.0]])  # pi_old / pi_sampler = 4, 0.5, 1
+    sampler = torch.tensor(
+        [[-math.log(4.0), math.log(2.0), 0.0]]
+    )  # pi_old / pi_sampler = 4, 0.5, 1
     mask = torch.ones(1, 3)
-    loss, stats = grpo_lm.grpo_loss(logp, logp.detach(), None, torch.tensor([1.0]), mask, 0.2, 0.0, 1,
-                                    sampler_logp=sampler, tis_cap=2.0)
+    loss, stats = grpo_lm.grpo_loss(
+        logp,
+        logp.detach(),
+        None,
+        torch.tensor([1.0]),
+        mask,
+        0.2,
+        0.0,
+        1,
+        sampler_logp=sampler,
+        tis_cap=2.0,
+    )
     loss.backward()
-    # weights min(4, 2) = 2, 0.5, 1: surrogate A * ratio * w per token, mean over the 3 tokens (eq. 3)
+    # weights min(4, 2) = 2, 0.5, 1: surrogate A * ratio * w per token, mean over the 3 tokens
+    # (eq. 3)
     assert loss.item() == pytest.approx(-(2 + 0.5 + 1) / 3)
     torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, -0.5 / 3, -1 / 3]]))
-    plain, _ = grpo_lm.grpo_loss(logp, logp.detach(), None, torch.tensor([1.0]), mask, 0.2, 0.0, 1, sampler_logp=sampler)
+    plain, _ = grpo_lm.grpo_loss(
+        logp, logp.detach(), None, torch.tensor([1.0]), mask, 0.2, 0.0, 1, sampler_logp=sampler
+    )
     assert plain.item() == pytest.approx(-1.0)  # tis_cap 0: off
 
 
@@ -401,32 +590,62 @@ def test_sampler_log_probs_are_recorded_and_equal_generates_own(tiny_model_dir):
     # the sampler/learner mismatch is logged from the log probs the sampler itself sampled with
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
-    prompts = [tok("1+1=", add_special_tokens=False)["input_ids"], tok("What is 2 + 3?", add_special_tokens=False)["input_ids"]]
+    prompts = [
+        tok("1+1=", add_special_tokens=False)["input_ids"],
+        tok("What is 2 + 3?", add_special_tokens=False)["input_ids"],
+    ]
     kw = dict(temperature=0.7, top_p=0.9, max_new_tokens=9, seed_keys=(1, 2, 0), first=0)
-    rows, recorded = common.generate_completions(model, prompts, 3, tok, torch.device("cpu"), **kw, record=True)
+    rows, recorded = common.generate_completions(
+        model, prompts, 3, tok, torch.device("cpu"), **kw, record=True
+    )
     recorded = torch.tensor(recorded)
-    rows_again, none = common.generate_completions(model, prompts, 3, tok, torch.device("cpu"), **kw)
+    rows_again, none = common.generate_completions(
+        model, prompts, 3, tok, torch.device("cpu"), **kw
+    )
     assert rows == rows_again and none is None  # recording does not change the samples
     ids, att = common.pad_left([p for p in prompts for _ in range(3)], tok.pad_token_id)
     torch.manual_seed(common.sampling_seed(1, 2, 0, 0))
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=0.7, top_p=0.9, top_k=0,
-                             max_new_tokens=9, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                             output_scores=True, return_dict_in_generate=True)
-    sampled = out.sequences[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=att,
+            do_sample=True,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=0,
+            max_new_tokens=9,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    sampled = out.sequences[:, ids.shape[1] :]
     assert sampled.tolist() == rows
-    expected = torch.stack(out.scores, 1).log_softmax(-1).gather(2, sampled.unsqueeze(-1)).squeeze(-1)
+    expected = (
+        torch.stack(out.scores, 1).log_softmax(-1).gather(2, sampled.unsqueeze(-1)).squeeze(-1)
+    )
     mask = grpo_lm.completion_mask(sampled, tok.eos_token_id).bool()
     torch.testing.assert_close(recorded[mask], expected[mask])
 
 
 def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):
-    plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1), task=digit_task())
-    fast = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, fast_generation=True, tis_cap=2.0),
-                        task=digit_task())
-    assert "sampling/logp_diff_mean" not in plain  # the sampler is the trained module on the default path
+    plain = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1), task=digit_task()
+    )
+    fast = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, fast_generation=True, tis_cap=2.0),
+        task=digit_task(),
+    )
+    assert (
+        "sampling/logp_diff_mean" not in plain
+    )  # the sampler is the trained module on the default path
     mean, worst = fast["sampling/logp_diff_mean"], fast["sampling/logp_diff_max"]
-    assert all(0 < m < 0.1 for m in mean) and all(m <= w < 1.0 for m, w in zip(mean, worst)), (mean, worst)
+    assert all(0 < m < 0.1 for m in mean) and all(
+        m <= w < 1.0 for m, w in zip(mean, worst, strict=True)
+    ), (
+        mean,
+        worst,
+    )
     assert all(math.isfinite(x) for x in fast["loss/policy"])
 
 
@@ -434,28 +653,39 @@ def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_p
 # Resume semantics (issue 14)
 # ---------------------------------------------------------------------------------------------
 def test_resume_takes_the_learning_rate_given_again(tiny_model_dir, tmp_path):
-    # the run's saved flags are the defaults; a flag given again takes effect, the learning rate too (the loaded
-    # optimizer state must not win)
+    # the run's saved flags are the defaults; a flag given again takes effect, the learning rate too
+    # (the loaded optimizer state must not win)
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1), task=digit_task())
     ckpt = str(tmp_path / "run" / "checkpoint.pt")
-    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, learning_rate=3e-3, resume=ckpt),
-                           task=digit_task())
+    resumed = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=2, learning_rate=3e-3, resume=ckpt),
+        task=digit_task(),
+    )
     assert resumed["optim/learning_rate"] == [3e-3]
     saved = common.load_checkpoint(ckpt)
-    assert saved["optimizer"]["param_groups"][0]["lr"] == 3e-3 and saved["args"]["learning_rate"] == 3e-3
+    assert (
+        saved["optimizer"]["param_groups"][0]["lr"] == 3e-3
+        and saved["args"]["learning_rate"] == 3e-3
+    )
 
 
 def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
-    # a run that logged steps 1-3 but whose last checkpoint is step 2 (killed after logging step 3) is resumed:
-    # TensorBoard must show step 3 once, from the resumed run
-    full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, save_every=2), task=digit_task())
+    # a run that logged steps 1-3 but whose last checkpoint is step 2 (killed after logging step 3)
+    # is resumed: TensorBoard must show step 3 once, from the resumed run
+    full = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=3, save_every=2), task=digit_task()
+    )
     ckpt = tmp_path / "run" / "checkpoint.pt"
     state = common.load_checkpoint(ckpt)
     assert state["step"] == 3
-    grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2), task=digit_task())  # the step-2 checkpoint
+    grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2), task=digit_task()
+    )  # the step-2 checkpoint
     (tmp_path / "b" / "run" / "checkpoint.pt").replace(ckpt)
-    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=3, resume=str(ckpt)),
-                           task=digit_task())  # the flags the checkpoint holds (--runs-dir b); it writes beside ckpt
+    resumed = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "b", total_steps=3, resume=str(ckpt)),
+        task=digit_task(),
+    )  # the flags the checkpoint holds (--runs-dir b); it writes beside ckpt
     series = tb_scalars(tmp_path / "run")["reward/mean"]
     assert [step for step, _ in series] == [1, 2, 3], series
     assert series[-1][1] == pytest.approx(resumed["reward/mean"][0])
@@ -463,28 +693,40 @@ def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
 
 
 def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path):
-    # issue 16: loss/entropy, the mean entropy of softmax(logits / T) at the completion tokens in the loss
+    # issue 16: loss/entropy, the mean entropy of softmax(logits / T) at the completion tokens in
+    # the loss
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompt_ids, prompt_mask, index, completions, att = _batch(tok)
     with torch.no_grad():
-        logp, entropy = grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, 0.7, True,
-                                                with_entropy=True)
+        logp, entropy = grpo_lm.token_log_probs(
+            model, prompt_ids, prompt_mask, index, completions, att, 0.7, True, with_entropy=True
+        )
         inputs = torch.cat([prompt_ids[index], completions], 1)
         mask = torch.cat([prompt_mask[index], att], 1)
-        logits = model(input_ids=inputs, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
-        p = (logits[:, -completions.shape[1] - 1:-1] / 0.7).softmax(-1)
+        logits = model(
+            input_ids=inputs, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+        ).logits
+        p = (logits[:, -completions.shape[1] - 1 : -1] / 0.7).softmax(-1)
     torch.testing.assert_close(entropy, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
-    assert torch.equal(logp, grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, 0.7, True))
+    assert torch.equal(
+        logp,
+        grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, 0.7, True),
+    )
     history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1), task=digit_task())
-    assert 0 < history["loss/entropy"][0] < math.log(len(tok))  # below the uniform distribution's log V
+    assert (
+        0 < history["loss/entropy"][0] < math.log(len(tok))
+    )  # below the uniform distribution's log V
 
 
 def test_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
-    # issue 16: --track (CleanRL's convention) syncs the TensorBoard scalars to wandb; offline here, no network
+    # issue 16: --track (CleanRL's convention) syncs the TensorBoard scalars to wandb; offline here,
+    # no network
     monkeypatch.setenv("WANDB_MODE", "offline")
-    grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
-                 task=digit_task())
+    grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
+        task=digit_task(),
+    )
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     record = runs[0].read_bytes()  # wandb's own log: the config and the synced TensorBoard scalars
@@ -495,38 +737,73 @@ def test_track_without_wandb_is_one_line(monkeypatch):
     import importlib.util
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
-    with pytest.raises(common.UsageError, match="--track: wandb is not installed; run `pip install wandb`"):
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "wandb" else find_spec(name, *a),
+    )
+    with pytest.raises(
+        common.UsageError, match="--track: wandb is not installed; run `pip install wandb`"
+    ):
         grpo_lm.validate(grpo_lm.Args(track=True))
 
 
 def test_eval_only_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
-    # issue 16: --eval-only gives the greedy held-out accuracy of a saved model, as training measured it
+    # issue 16: --eval-only gives the greedy held-out accuracy of a saved model, as training
+    # measured it
     task = digit_task()
-    task.correct_fn = lambda completion, example: sum(c.isdigit() for c in completion) >= 3  # what the reward teaches
-    trained = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=4, eval_size=8, eval_every=4), task=task)
+    task.correct_fn = lambda completion, example: (
+        sum(c.isdigit() for c in completion) >= 3
+    )  # what the reward teaches
+    trained = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=4, eval_size=8, eval_every=4), task=task
+    )
     run = tmp_path / "run"
-    from_ckpt = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=4, eval_size=8, eval_only=True,
-                                       resume=str(run / "checkpoint.pt")), task=task)
-    from_model = grpo_lm.main(tiny_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"),
-                              task=task)
-    assert from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == trained["eval/accuracy"][-1:]
+    from_ckpt = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=4,
+            eval_size=8,
+            eval_only=True,
+            resume=str(run / "checkpoint.pt"),
+        ),
+        task=task,
+    )
+    from_model = grpo_lm.main(
+        tiny_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"),
+        task=task,
+    )
+    assert (
+        from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == trained["eval/accuracy"][-1:]
+    )
     report = json.loads((run / "eval_step4.json").read_text())
-    assert report["accuracy"] == trained["eval/accuracy"][-1] and report["questions"] == 8 and report["step"] == 4
+    assert (
+        report["accuracy"] == trained["eval/accuracy"][-1]
+        and report["questions"] == 8
+        and report["step"] == 4
+    )
     assert (tmp_path / "eval" / "eval.json").is_file()
-    assert trained["eval/accuracy"][0] != trained["eval/accuracy"][-1]  # training moved it: a real comparison
+    assert (
+        trained["eval/accuracy"][0] != trained["eval/accuracy"][-1]
+    )  # training moved it: a real comparison
 
 
-def test_k3_is_unbiased_for_kl_policy_to_reference_but_its_gradient_is_that_of_kl_reference_to_policy():
-    # k3_kl's docstring (issue 13 item 7), on one categorical over 5 tokens, sums over tokens in place of samples
+def test_k3_is_unbiased_for_kl_policy_to_reference_but_its_gradient_is_that_of_kl_reference_to_policy():  # noqa: E501  # the name is the test's id
+    # k3_kl's docstring (issue 13 item 7), on one categorical over 5 tokens, sums over tokens in
+    # place of samples
     logits = torch.tensor([0.3, -1.2, 2.0, 0.1, -0.4], requires_grad=True)
     ref = torch.tensor([0.0, 0.5, 1.0, -0.5, 0.2]).log_softmax(0)
     logp = logits.log_softmax(0)
     pi = logp.exp()
     k3 = grpo_lm.k3_kl(logp, ref)
     kl_pi_ref = (pi * (logp - ref)).sum()
-    assert (pi * k3).sum().item() == pytest.approx(kl_pi_ref.item(), rel=1e-5)  # E_pi[k3] = KL(pi || pi_ref)
-    (as_loss,) = torch.autograd.grad((pi.detach() * k3).sum(), logits, retain_graph=True)  # the loss term: samples fixed, from pi
+    assert (pi * k3).sum().item() == pytest.approx(
+        kl_pi_ref.item(), rel=1e-5
+    )  # E_pi[k3] = KL(pi || pi_ref)
+    (as_loss,) = torch.autograd.grad(
+        (pi.detach() * k3).sum(), logits, retain_graph=True
+    )  # the loss term: samples fixed, from pi
     kl_ref_pi = (ref.exp() * (ref - logp)).sum()
     (grad_ref_pi,) = torch.autograd.grad(kl_ref_pi, logits, retain_graph=True)
     (grad_pi_ref,) = torch.autograd.grad(kl_pi_ref, logits)

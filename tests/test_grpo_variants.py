@@ -1,5 +1,6 @@
-"""grpo_lm.py variants: loss types, reward scaling, clip-higher, GSPO, process supervision, DAPO sampling and
-shaping, iterative RL with a reward model. Hand-computed numbers on small padded batches, then tiny-model runs."""
+"""grpo_lm.py variants: loss types, reward scaling, clip-higher, GSPO, process supervision, DAPO
+sampling and shaping, iterative RL with a reward model. Hand-computed numbers on small padded
+batches, then tiny-model runs."""
 
 import math
 import subprocess
@@ -21,7 +22,8 @@ EPS = 1e-4
 
 
 def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
-    """test_grpo_lm's tiny run, on one thread: two threads of a 32-wide model mostly wait on each other."""
+    """test_grpo_lm's tiny run, on one thread: two threads of a 32-wide model mostly wait on each
+    other."""
     return _tiny_args(model_dir, tmp_path, **{"torch_threads": 1, **kw})
 
 
@@ -29,7 +31,8 @@ def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
 # Loss aggregation (--loss-type), clip-higher, GSPO
 # ---------------------------------------------------------------------------------------------
 def padded_batch():
-    """Two completions, the first padded: 2 and 3 valid tokens; ratio 1.1 on token (0, 0), 1 elsewhere.
+    """Two completions, the first padded: 2 and 3 valid tokens; ratio 1.1 on token (0, 0), 1
+    elsewhere.
 
     With A = (1, -2) the masked per-token surrogates are [1.1, 1, -] and [-2, -2, -2]:
     sums 2.1 and -6 over 5 tokens. The padded token has a huge ratio that must not count.
@@ -43,15 +46,27 @@ def padded_batch():
 @pytest.mark.parametrize(
     "loss_type, extra, loss, grad00",
     [
-        ("grpo", {}, -(2.1 / 2 - 6 / 3) / 2, -1.1 / 2 / 2),  # eq. 3: mean per sequence, then over sequences
+        (
+            "grpo",
+            {},
+            -(2.1 / 2 - 6 / 3) / 2,
+            -1.1 / 2 / 2,
+        ),  # eq. 3: mean per sequence, then over sequences
         ("bnpo", {}, -(2.1 - 6) / 5, -1.1 / 5),  # one micro-batch: token mean over its 5 tokens
-        ("dr_grpo", {"max_completion_length": 4}, -(2.1 - 6) / (2 * 4), -1.1 / 8),  # sum / (B * L_max)
+        (
+            "dr_grpo",
+            {"max_completion_length": 4},
+            -(2.1 - 6) / (2 * 4),
+            -1.1 / 8,
+        ),  # sum / (B * L_max)
         ("dapo", {"num_tokens": 10}, -(2.1 - 6) / 10, -1.1 / 10),  # sum / tokens of the whole batch
     ],
 )
 def test_loss_types_hand_computed(loss_type, extra, loss, grad00):
     logp, old, adv, mask = padded_batch()
-    out, stats = grpo_lm.grpo_loss(logp, old, None, adv, mask, 0.2, 0.0, num_sequences=2, loss_type=loss_type, **extra)
+    out, stats = grpo_lm.grpo_loss(
+        logp, old, None, adv, mask, 0.2, 0.0, num_sequences=2, loss_type=loss_type, **extra
+    )
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert logp.grad[0, 0].item() == pytest.approx(grad00, abs=1e-6)
@@ -69,7 +84,9 @@ def test_loss_types_that_need_a_count_say_so():
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("variant", [{}, {"clip_range_high": 0.28}, {"importance_sampling_level": "sequence"}])
+@pytest.mark.parametrize(
+    "variant", [{}, {"clip_range_high": 0.28}, {"importance_sampling_level": "sequence"}]
+)
 def test_micro_batch_losses_add_up_for_every_loss_type(loss_type, variant):
     g = torch.Generator().manual_seed(2)
     logp, old, ref = (torch.randn(6, 5, generator=g) * 0.3 for _ in range(3))
@@ -78,15 +95,21 @@ def test_micro_batch_losses_add_up_for_every_loss_type(loss_type, variant):
     kw = dict(loss_type=loss_type, num_tokens=mask.sum().item(), max_completion_length=5, **variant)
 
     def loss(s, **over):
-        return grpo_lm.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6, **{**kw, **over})[0]
+        return grpo_lm.grpo_loss(
+            logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6, **{**kw, **over}
+        )[0]
 
     full = loss(slice(0, 6))
     parts = [slice(0, 2), slice(2, 6)]
     if loss_type != "bnpo":
         torch.testing.assert_close(sum(loss(s) for s in parts), full)
-    else:  # bnpo: a token mean per micro-batch, weighted by its share of sequences; one micro-batch = dapo
+    else:  # bnpo: a token mean per micro-batch, weighted by its share of sequences;
+        # one micro-batch = dapo
         torch.testing.assert_close(full, loss(slice(0, 6), loss_type="dapo"))
-        by_hand = sum(loss(s, loss_type="dapo", num_tokens=mask[s].sum().item()) * (s.stop - s.start) / 6 for s in parts)
+        by_hand = sum(
+            loss(s, loss_type="dapo", num_tokens=mask[s].sum().item()) * (s.stop - s.start) / 6
+            for s in parts
+        )
         torch.testing.assert_close(sum(loss(s) for s in parts), by_hand)
         assert not torch.isclose(by_hand, full)  # bnpo really depends on the micro-batching
 
@@ -102,8 +125,17 @@ def test_micro_batch_losses_add_up_for_every_loss_type(loss_type, variant):
 )
 def test_clip_higher_value_and_gradient(ratio, adv, high, loss, grad):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    out, stats = grpo_lm.grpo_loss(logp, torch.zeros(1, 1), None, torch.tensor([adv]), torch.ones(1, 1), 0.2, 0.0, 1,
-                                   clip_range_high=high)
+    out, stats = grpo_lm.grpo_loss(
+        logp,
+        torch.zeros(1, 1),
+        None,
+        torch.tensor([adv]),
+        torch.ones(1, 1),
+        0.2,
+        0.0,
+        1,
+        clip_range_high=high,
+    )
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert logp.grad.item() == pytest.approx(grad, abs=1e-6)
@@ -116,19 +148,43 @@ def test_gspo_sequence_level_ratio_hand_computed():
     logp = torch.tensor([[LN2, 0.0, 50.0], [0.0, 0.0, -LN2]], requires_grad=True)
     mask = torch.tensor([[1.0, 1, 0], [1, 1, 1]])
     s0, s1 = math.sqrt(2), 2 ** (-1 / 3)
-    out, stats = grpo_lm.grpo_loss(logp, torch.zeros(2, 3), None, torch.tensor([1.0, -1.0]), mask, 0.5, 0.0, 2,
-                                   importance_sampling_level="sequence")
+    out, stats = grpo_lm.grpo_loss(
+        logp,
+        torch.zeros(2, 3),
+        None,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        0.5,
+        0.0,
+        2,
+        importance_sampling_level="sequence",
+    )
     out.backward()
     assert out.item() == pytest.approx(-(s0 - s1) / 2, abs=1e-6)  # -0.310255
-    # d/dlogp_t of s_i = s_i / |o_i|: -(1/2) * s0 / 2 for sequence 0, +(1/2) * s1 / 3 for sequence 1, 0 on padding
+    # d/dlogp_t of s_i = s_i / |o_i|: -(1/2) * s0 / 2 for sequence 0, +(1/2) * s1 / 3 for sequence
+    # 1, 0 on padding
     expected = torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [s1 / 6, s1 / 6, s1 / 6]])
     torch.testing.assert_close(logp.grad, expected)
-    assert stats["ratio_max"].item() == pytest.approx(s0, abs=1e-6) and stats["ratio_min"].item() == pytest.approx(s1, abs=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(s0, abs=1e-6) and stats[
+        "ratio_min"
+    ].item() == pytest.approx(s1, abs=1e-6)
     logp.grad = None
-    out, _ = grpo_lm.grpo_loss(logp, torch.zeros(2, 3), None, torch.tensor([1.0, -1.0]), mask, 0.2, 0.0, 2,
-                               importance_sampling_level="sequence")
+    out, _ = grpo_lm.grpo_loss(
+        logp,
+        torch.zeros(2, 3),
+        None,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        0.2,
+        0.0,
+        2,
+        importance_sampling_level="sequence",
+    )
     out.backward()  # eps 0.2: sqrt 2 > 1.2 with A > 0 and 0.794 < 0.8 with A < 0 are both clipped
-    assert out.item() == pytest.approx(-(1.2 - 0.8) / 2, abs=1e-6) and logp.grad.abs().sum().item() == 0.0
+    assert (
+        out.item() == pytest.approx(-(1.2 - 0.8) / 2, abs=1e-6)
+        and logp.grad.abs().sum().item() == 0.0
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,46 +195,70 @@ def test_scale_rewards_batch_and_none():
     centred = torch.tensor([0.5, -0.5, -0.5, 0.5, -0.5, -0.5, -0.5, 1.5])  # group means 0.5 and 0.5
     torch.testing.assert_close(grpo_lm.group_advantages(rewards, 4, EPS, scale="none"), centred)
     batch_std = math.sqrt(4.0 / 7)  # sum of squared deviations from 0.5 is 4, unbiased over 8
-    torch.testing.assert_close(grpo_lm.group_advantages(rewards, 4, EPS, scale="batch"), centred / (batch_std + EPS))
+    torch.testing.assert_close(
+        grpo_lm.group_advantages(rewards, 4, EPS, scale="batch"), centred / (batch_std + EPS)
+    )
     with pytest.raises(ValueError, match="scale"):
         grpo_lm.group_advantages(rewards, 4, scale="max")
 
 
 def process_example():
-    """Two groups of G = 2, T = 5; steps given as (completion, last token, reward), in no particular order."""
-    steps = [(0, 1, 1.0), (1, 2, 0.0), (0, 4, 1.0), (1, 3, 0.0),  # group 0: rewards 1, 1, 0, 0
-             (3, 4, 0.0), (2, 0, 1.0), (2, 2, 0.0)]  # group 1: rewards 0 | 1, 0
-    seq, end, r = zip(*steps)
+    """Two groups of G = 2, T = 5; steps given as (completion, last token, reward), in no particular
+    order."""
+    steps = [
+        (0, 1, 1.0),
+        (1, 2, 0.0),
+        (0, 4, 1.0),
+        (1, 3, 0.0),  # group 0: rewards 1, 1, 0, 0
+        (3, 4, 0.0),
+        (2, 0, 1.0),
+        (2, 2, 0.0),
+    ]  # group 1: rewards 0 | 1, 0
+    seq, end, r = zip(*steps, strict=True)
     return torch.tensor(r), torch.tensor(seq), torch.tensor(end)
 
 
 def test_process_advantages_hand_computed():
     r, seq, end = process_example()
-    adv = grpo_lm.process_advantages(r, seq, end, num_sequences=4, num_tokens=5, group_size=2, eps=EPS)
-    n0 = 0.5 / (math.sqrt(1 / 3) + EPS)  # group 0: mean 0.5, unbiased std sqrt(1/3), steps become +-n0
-    n1 = 1 / (math.sqrt(1 / 3) + EPS)  # group 1: [1, 0, 0], mean 1/3, std sqrt(1/3): 2/3 n1, -1/3 n1, -1/3 n1
-    expected = torch.tensor([
-        [2 * n0, 2 * n0, n0, n0, n0],  # steps ending at 1 and 4 are both at or after t = 0, 1
-        [-2 * n0, -2 * n0, -2 * n0, -n0, 0.0],  # nothing ends at or after t = 4
-        [n1 / 3, -n1 / 3, -n1 / 3, 0.0, 0.0],
-        [-n1 / 3] * 5,
-    ])
+    adv = grpo_lm.process_advantages(
+        r, seq, end, num_sequences=4, num_tokens=5, group_size=2, eps=EPS
+    )
+    n0 = 0.5 / (
+        math.sqrt(1 / 3) + EPS
+    )  # group 0: mean 0.5, unbiased std sqrt(1/3), steps become +-n0
+    n1 = 1 / (
+        math.sqrt(1 / 3) + EPS
+    )  # group 1: [1, 0, 0], mean 1/3, std sqrt(1/3): 2/3 n1, -1/3 n1, -1/3 n1
+    expected = torch.tensor(
+        [
+            [2 * n0, 2 * n0, n0, n0, n0],  # steps ending at 1 and 4 are both at or after t = 0, 1
+            [-2 * n0, -2 * n0, -2 * n0, -n0, 0.0],  # nothing ends at or after t = 4
+            [n1 / 3, -n1 / 3, -n1 / 3, 0.0, 0.0],
+            [-n1 / 3] * 5,
+        ]
+    )
     torch.testing.assert_close(adv, expected)
     none = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, scale="none")
     torch.testing.assert_close(none[0], torch.tensor([1.0, 1, 0.5, 0.5, 0.5]))
     torch.testing.assert_close(none[2], torch.tensor([1 / 3, -1 / 3, -1 / 3, 0, 0]))
     batch = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, scale="batch")
-    torch.testing.assert_close(batch, none / (math.sqrt(2 / 7) + EPS))  # std of [1,1,0,0,1,0,0] = sqrt(2/7)
+    torch.testing.assert_close(
+        batch, none / (math.sqrt(2 / 7) + EPS)
+    )  # std of [1,1,0,0,1,0,0] = sqrt(2/7)
 
 
 def test_process_advantages_with_only_final_answers_equal_outcome_advantages():
     g = torch.Generator().manual_seed(0)
     rewards, lengths = torch.rand(8, generator=g), torch.tensor([3, 5, 1, 4, 5, 2, 2, 5])
-    adv = grpo_lm.process_advantages(rewards, torch.arange(8), lengths - 1, 8, 5, group_size=4, eps=EPS)
+    adv = grpo_lm.process_advantages(
+        rewards, torch.arange(8), lengths - 1, 8, 5, group_size=4, eps=EPS
+    )
     outcome = grpo_lm.group_advantages(rewards, 4, EPS)
-    for i in range(8):  # every token up to the answer carries the outcome advantage, nothing after it
+    for i in range(
+        8
+    ):  # every token up to the answer carries the outcome advantage, nothing after it
         torch.testing.assert_close(adv[i, : lengths[i]], outcome[i].expand(int(lengths[i])))
-        assert adv[i, lengths[i]:].abs().sum() == 0
+        assert adv[i, lengths[i] :].abs().sum() == 0
     with pytest.raises(ValueError, match="at least one step"):
         grpo_lm.process_advantages(rewards[:7], torch.arange(7), lengths[:7] - 1, 8, 5, 4)
     with pytest.raises(ValueError, match=r"\[0, 5\)"):
@@ -187,7 +267,9 @@ def test_process_advantages_with_only_final_answers_equal_outcome_advantages():
 
 def test_overlong_penalty_hand_computed():
     lengths = torch.tensor([5, 6, 7, 10])  # L_max 10, L_cache 4: free up to 6, then -1/4 per token
-    torch.testing.assert_close(grpo_lm.overlong_penalty(lengths, 10, 4), torch.tensor([0.0, 0.0, -0.25, -1.0]))
+    torch.testing.assert_close(
+        grpo_lm.overlong_penalty(lengths, 10, 4), torch.tensor([0.0, 0.0, -0.25, -1.0])
+    )
     assert grpo_lm.overlong_penalty(lengths, 10, 0).abs().sum() == 0
 
 
@@ -196,9 +278,13 @@ def test_replay_mix_ratio():
     new, history = [("new", i) for i in range(90)], [("old", i) for i in range(200)]
     mix = grpo_lm.replay_mix(new, history, 0.1, rng)
     replayed = [x for x in mix if x[0] == "old"]
-    assert len(mix) == 100 and len(replayed) == 10 and len(set(replayed)) == 10  # 10% historical, no repeats
+    assert (
+        len(mix) == 100 and len(replayed) == 10 and len(set(replayed)) == 10
+    )  # 10% historical, no repeats
     assert mix[:90] == new
-    assert len(grpo_lm.replay_mix(new[:24], history, 0.1, rng)) == 24 + 3  # 24 * 0.1 / 0.9 = 2.67 -> 3
+    assert (
+        len(grpo_lm.replay_mix(new[:24], history, 0.1, rng)) == 24 + 3
+    )  # 24 * 0.1 / 0.9 = 2.67 -> 3
     assert len(grpo_lm.replay_mix(new, history[:4], 0.1, rng)) == 94  # at most the whole history
     assert grpo_lm.replay_mix(new, history, 0.0, rng) == new
     with pytest.raises(ValueError, match="replay ratio"):
@@ -212,9 +298,16 @@ def test_arithmetic_steps_are_parsed_and_checked():
     text = "12 + 7 = 19\n19 * 3 = 56\nthen 56 - 5 = 51"
     assert tasks.find_arithmetic_steps(text) == [(11, True), (23, False), (40, True)]
     assert tasks.find_arithmetic_steps("(12 + 7) * 3 - 5 = 52") == [(21, True)]
-    assert tasks.find_arithmetic_steps("She sold 48/2 = <<48/2=24>>24 clips") == [(25, True)]  # GSM8K annotation
-    assert tasks.find_arithmetic_steps("$1,200 + $300 = $1,500 and 10 / 4 = 2.5.") == [(22, True), (39, True)]
-    assert tasks.find_arithmetic_steps("__import__('os') = 3, x = 5, 2 ** 3 = 8") == []  # parsed, never evaluated
+    assert tasks.find_arithmetic_steps("She sold 48/2 = <<48/2=24>>24 clips") == [
+        (25, True)
+    ]  # GSM8K annotation
+    assert tasks.find_arithmetic_steps("$1,200 + $300 = $1,500 and 10 / 4 = 2.5.") == [
+        (22, True),
+        (39, True),
+    ]
+    assert (
+        tasks.find_arithmetic_steps("__import__('os') = 3, x = 5, 2 ** 3 = 8") == []
+    )  # parsed, never evaluated
     assert tasks.find_arithmetic_steps("1 / 0 = 5") == [(9, False)]
     assert tasks.arithmetic_step_rewards(text, {}) == [(11, 1.0), (23, 0.0), (40, 1.0)]
 
@@ -230,7 +323,9 @@ def test_multistep_task_and_its_reference_solutions():
 
 
 def test_step_ends_map_to_token_indices_with_a_character_tokenizer():
-    tok = make_tokenizer()  # one token per character: a step ending at character offset e ends at token e - 1
+    tok = (
+        make_tokenizer()
+    )  # one token per character: a step ending at character offset e ends at token e - 1
     text = "12+7=19\n19*3=56\nso 56"
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     ends = [e for e, _ in tasks.find_arithmetic_steps(text)]
@@ -240,37 +335,60 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer():
 
 
 # ---------------------------------------------------------------------------------------------
-# Runs on the tiny model: process supervision learns, reference reset, reward model, dynamic sampling
+# Runs on the tiny model: process supervision learns, reference reset, reward model, dynamic
+# sampling
 # ---------------------------------------------------------------------------------------------
 def digit_steps(completion: str, example: dict) -> list[tuple[int, float]]:
-    """Every character is a step: reward 1 for a digit, 0 otherwise (a dense, learnable step reward)."""
+    """Every character is a step: reward 1 for a digit, 0 otherwise (a dense, learnable step
+    reward)."""
     return [(k + 1, float(c.isdigit())) for k, c in enumerate(completion)]
 
 
 def test_process_supervision_learns_from_step_rewards_alone(tiny_model_dir, tmp_path):
     task = digit_task()
-    task.reward_fn = lambda completion, example: 0.0  # no outcome signal at all: only the steps can teach
+    task.reward_fn = lambda completion, example: (
+        0.0
+    )  # no outcome signal at all: only the steps can teach
     outcome = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "o", total_steps=1), task=task)
     assert outcome["optim/grad_norm"] == [0.0]  # outcome supervision: every advantage is 0
-    history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "p", total_steps=15, supervision="process"),
-                           task=task, step_reward_fn=digit_steps)
-    digits = history["process/step_reward_mean"]  # fraction of completion characters that are digits
+    history = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "p", total_steps=15, supervision="process"),
+        task=task,
+        step_reward_fn=digit_steps,
+    )
+    digits = history[
+        "process/step_reward_mean"
+    ]  # fraction of completion characters that are digits
     first, last = sum(digits[:3]) / 3, sum(digits[-3:]) / 3
     assert first < 0.35, digits  # seeds 3 and 4 went 0.13 -> 0.9 in 15 steps
     assert last > first + 0.4, digits
 
 
 def test_reference_is_reset_to_the_policy_every_iteration(tiny_model_dir, tmp_path):
-    one = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=2, beta=0.1), task=digit_task())
-    two = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, beta=0.1, iterations=2), task=digit_task())
+    one = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=2, beta=0.1), task=digit_task()
+    )
+    two = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, beta=0.1, iterations=2),
+        task=digit_task(),
+    )
     assert one["loss/kl"][0] == two["loss/kl"][0] == 0.0  # step 1: reference = initial policy
     assert one["loss/kl"][1] > 0  # one iteration: the policy moved away from the reference
-    assert two["loss/kl"][1] == 0.0  # step 2 starts iteration 2: reference <- policy, so KL is exactly 0
+    assert (
+        two["loss/kl"][1] == 0.0
+    )  # step 2 starts iteration 2: reference <- policy, so KL is exactly 0
     assert two["loss/policy"][0] == one["loss/policy"][0]
 
 
 def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir, tmp_path):
-    kw = {"total_steps": 4, "iterations": 2, "train_reward_model": True, "beta": 0.04, "save_every": 1, "rm_learning_rate": 1e-2}
+    kw = {
+        "total_steps": 4,
+        "iterations": 2,
+        "train_reward_model": True,
+        "beta": 0.04,
+        "save_every": 1,
+        "rm_learning_rate": 1e-2,
+    }
     full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **kw), task=digit_task())
     # 32 samples per step, 2 steps per iteration: 64 per iteration, 16 held out, 48 trained on
     assert full["reward_model/train_size"] == [48, 48 + 5]  # 48 * 0.1 / 0.9 = 5.3 -> 5 replayed
@@ -279,11 +397,16 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
     ckpt = common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")
     assert ckpt["iteration"] == 2 and len(ckpt["rm_replay"]) == 96 and ckpt["rm_new"] == []
     assert ckpt["reference"] is not None  # --iterations 2 resets it: resume needs it
-    assert [g["weight_decay"] for g in ckpt["rm_optimizer"]["param_groups"]] == [0.0]  # --weight-decay, as the policy's
+    assert [g["weight_decay"] for g in ckpt["rm_optimizer"]["param_groups"]] == [
+        0.0
+    ]  # --weight-decay, as the policy's
     initial = common.load_model(str(tiny_model_dir), kind="reward")
-    assert not torch.equal(ckpt["reward_model"]["score.weight"], initial.state_dict()["score.weight"])
+    assert not torch.equal(
+        ckpt["reward_model"]["score.weight"], initial.state_dict()["score.weight"]
+    )
 
-    # interrupt the same run in step 3 (its reward function fails), then resume from the step-2 checkpoint
+    # interrupt the same run in step 3 (its reward function fails), then resume from the step-2
+    # checkpoint
     task, calls = digit_task(), [0]
     digits = task.reward_fn
 
@@ -296,68 +419,150 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
     task.reward_fn = fails_in_step_3
     with pytest.raises(common.UsageError):
         grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", **kw), task=task)
-    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", **kw, resume=str(tmp_path / "b" / "run" / "checkpoint.pt")),
-                           task=digit_task())
-    for key in ("reward/mean", "loss/policy", "loss/kl", "reward_model/heldout_accuracy", "reward_model/train_mse"):
-        assert resumed[key] == pytest.approx(full[key][-len(resumed[key]):], rel=1e-5, abs=1e-7), key
+    resumed = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path / "b",
+            **kw,
+            resume=str(tmp_path / "b" / "run" / "checkpoint.pt"),
+        ),
+        task=digit_task(),
+    )
+    for key in (
+        "reward/mean",
+        "loss/policy",
+        "loss/kl",
+        "reward_model/heldout_accuracy",
+        "reward_model/train_mse",
+    ):
+        assert resumed[key] == pytest.approx(full[key][-len(resumed[key]) :], rel=1e-5, abs=1e-7), (
+            key
+        )
     assert len(resumed["reward/mean"]) == 2
 
 
 def test_dynamic_sampling_keeps_only_groups_with_different_rewards(tiny_model_dir, tmp_path):
     task = digit_task()
     digits = task.reward_fn
-    task.reward_fn = lambda c, ex: 1.0 if int(ex["question"][0]) % 2 == 0 else digits(c, ex)  # even a: all equal
+    task.reward_fn = lambda c, ex: (
+        1.0 if int(ex["question"][0]) % 2 == 0 else digits(c, ex)
+    )  # even a: all equal
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=3), task=task)
     assert max(plain["reward/frac_zero_std_groups"]) > 0
-    dyn = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", total_steps=3, dynamic_sampling=True,
-                                 max_sampling_rounds=8), task=task)
+    dyn = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path / "b",
+            total_steps=3,
+            dynamic_sampling=True,
+            max_sampling_rounds=8,
+        ),
+        task=task,
+    )
     assert dyn["reward/frac_zero_std_groups"] == [0.0, 0.0, 0.0]
     assert max(dyn["sampling/rounds"]) > 1 and dyn["sampling/frac_groups_varied"] == [1.0, 1.0, 1.0]
-    capped = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "c", total_steps=3, dynamic_sampling=True,
-                                    max_sampling_rounds=1), task=task)  # one round: the batch is topped up
-    assert capped["sampling/rounds"] == [1.0, 1.0, 1.0] and capped["reward/frac_zero_std_groups"] == plain["reward/frac_zero_std_groups"]
+    capped = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path / "c",
+            total_steps=3,
+            dynamic_sampling=True,
+            max_sampling_rounds=1,
+        ),
+        task=task,
+    )  # one round: the batch is topped up
+    assert (
+        capped["sampling/rounds"] == [1.0, 1.0, 1.0]
+        and capped["reward/frac_zero_std_groups"] == plain["reward/frac_zero_std_groups"]
+    )
 
 
 def test_merge_groups_repads_rows_of_different_rounds():
     def batch(prompts, completions, rewards):  # G = 2; 0 is the pad id
-        out = grpo_lm.Batch(torch.tensor(prompts), (torch.tensor(prompts) != 0).long(), torch.tensor(completions),
-                            (torch.tensor(completions) != 0).float(), [{"r": r} for r in rewards],
-                            [str(r) for r in rewards], None)
-        out.rewards, out.correct, out.reward_fns = torch.tensor(rewards), torch.tensor(rewards), {"f": -torch.tensor(rewards)}
+        out = grpo_lm.Batch(
+            torch.tensor(prompts),
+            (torch.tensor(prompts) != 0).long(),
+            torch.tensor(completions),
+            (torch.tensor(completions) != 0).float(),
+            [{"r": r} for r in rewards],
+            [str(r) for r in rewards],
+            None,
+        )
+        out.rewards, out.correct, out.reward_fns = (
+            torch.tensor(rewards),
+            torch.tensor(rewards),
+            {"f": -torch.tensor(rewards)},
+        )
         return out
 
-    a = batch([[0, 5], [0, 5], [6, 6], [6, 6]], [[1, 2], [3, 0], [4, 4], [4, 4]], [1.0, 0.0, 1.0, 1.0])
+    a = batch(
+        [[0, 5], [0, 5], [6, 6], [6, 6]], [[1, 2], [3, 0], [4, 4], [4, 4]], [1.0, 0.0, 1.0, 1.0]
+    )
     b = batch([[7], [7]], [[8, 9, 9], [8, 0, 0]], [0.0, 1.0])
     out = grpo_lm.merge_groups([a, b], [(1, 0), (0, 0)], group_size=2, pad_token_id=0)
     assert out.prompt_ids.tolist() == [[0, 7], [0, 7], [0, 5], [0, 5]]  # prompts stay left-padded
     assert out.prompt_mask.tolist() == [[0, 1], [0, 1], [0, 1], [0, 1]]
-    assert out.completion_ids.tolist() == [[8, 9, 9], [8, 0, 0], [1, 2, 0], [3, 0, 0]]  # completions right-padded
+    assert out.completion_ids.tolist() == [
+        [8, 9, 9],
+        [8, 0, 0],
+        [1, 2, 0],
+        [3, 0, 0],
+    ]  # completions right-padded
     assert out.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
     assert out.rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and out.verifiable is None
-    assert out.reward_fns["f"].tolist() == [-0.0, -1.0, -1.0, -0.0]  # each function's rewards follow their rows
+    assert out.reward_fns["f"].tolist() == [
+        -0.0,
+        -1.0,
+        -1.0,
+        -0.0,
+    ]  # each function's rewards follow their rows
     assert out.completions == ["0.0", "1.0", "1.0", "0.0"] and out.examples[2] == {"r": 1.0}
 
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tiny_model_dir, tmp_path):
     kw = dict(total_steps=1, beta=0.0)
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **kw), task=digit_task())
-    masked = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", mask_truncated_completions=True, **kw), task=digit_task())
+    masked = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "b", mask_truncated_completions=True, **kw),
+        task=digit_task(),
+    )
     n, max_new = 4 * 8, 12
     length, frac = plain["completion/length_mean"][0], plain["completion/frac_truncated"][0]
-    assert masked["completion/length_mean"][0] == length and masked["completion/frac_truncated"][0] == frac  # same samples
+    assert (
+        masked["completion/length_mean"][0] == length
+        and masked["completion/frac_truncated"][0] == frac
+    )  # same samples
     assert 0 < frac < 1, frac  # some completions hit --max-new-tokens 12, some emitted EOS
     assert plain["loss/tokens"][0] == pytest.approx(length * n)  # every valid token
-    # a truncated completion never emitted EOS, so it is exactly max_new tokens long: all of them leave the loss
+    # a truncated completion never emitted EOS, so it is exactly max_new tokens long: all of them
+    # leave the loss
     assert masked["loss/tokens"][0] == pytest.approx(length * n - frac * n * max_new)
-    # their rewards still shape the group advantages, but only the finished completions carry gradient
-    assert masked["reward/mean"] == plain["reward/mean"] and masked["optim/grad_norm"] != plain["optim/grad_norm"]
+    # their rewards still shape the group advantages, but only the finished completions carry
+    # gradient
+    assert (
+        masked["reward/mean"] == plain["reward/mean"]
+        and masked["optim/grad_norm"] != plain["optim/grad_norm"]
+    )
 
 
 def test_dapo_flags_run_together(tiny_model_dir, tmp_path):
-    history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, loss_type="dapo", clip_range_high=0.28,
-                                     overlong_buffer=4, mask_truncated_completions=True, scale_rewards="none",
-                                     importance_sampling_level="sequence", mu=2), task=digit_task())
-    # most completions of the untrained model hit --max-new-tokens 12: the overlong penalty pulls the reward down
+    history = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=2,
+            loss_type="dapo",
+            clip_range_high=0.28,
+            overlong_buffer=4,
+            mask_truncated_completions=True,
+            scale_rewards="none",
+            importance_sampling_level="sequence",
+            mu=2,
+        ),
+        task=digit_task(),
+    )
+    # most completions of the untrained model hit --max-new-tokens 12: the overlong penalty pulls
+    # the reward down
     assert history["completion/frac_truncated"][0] > 0.5 and history["reward/mean"][0] < -0.5
     assert all(math.isfinite(x) for x in history["loss/policy"])
 
@@ -365,7 +570,10 @@ def test_dapo_flags_run_together(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"loss_type": "ppo"}, "--loss-type: must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', got 'ppo'"),
+        (
+            {"loss_type": "ppo"},
+            "--loss-type: must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', got 'ppo'",
+        ),
         ({"scale_rewards": "std"}, "--scale-rewards: must be"),
         ({"importance_sampling_level": "seq"}, "--importance-sampling-level: must be"),
         ({"supervision": "steps"}, "--supervision: must be 'outcome' or 'process'"),
@@ -383,50 +591,88 @@ def test_variant_flags_are_validated(overrides, message):
 
 
 def test_cli_variant_error_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "grpo_lm.py"), "--loss-type", "ppo"], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path, check=False)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "grpo_lm.py"), "--loss-type", "ppo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     # a Literal choice flag: tyro lists the choices in --help and rejects the rest, in one line
-    assert out.stderr.strip().splitlines() == ["error: --loss-type: invalid choice 'ppo'; expected one of ('grpo', "
-                                               "'bnpo', 'dr_grpo', 'dapo')"]
+    assert out.stderr.strip().splitlines() == [
+        "error: --loss-type: invalid choice 'ppo'; expected one of ('grpo', "
+        "'bnpo', 'dr_grpo', 'dapo')"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
 # Issue 13 ("Trust I"): iterative RL and the smaller truths
 # ---------------------------------------------------------------------------------------------
-def test_a_reward_model_trained_from_the_backbone_never_scores_before_its_first_training(tiny_model_dir, tmp_path):
-    # item 2: without --reward-model-path the reward model starts with a random score head; iteration 1 is scored
-    # by the verifiable reward it will be trained on, and the reward model scores from iteration 2 on
+def test_a_reward_model_trained_from_the_backbone_never_scores_before_its_first_training(
+    tiny_model_dir, tmp_path
+):
+    # item 2: without --reward-model-path the reward model starts with a random score head;
+    # iteration 1 is scored by the verifiable reward it will be trained on, and the reward model
+    # scores from iteration 2 on
     kw = {"total_steps": 2, "iterations": 2, "train_reward_model": True, "rm_learning_rate": 1e-2}
     h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, **kw), task=digit_task())
-    assert h["reward/mean"][0] == h["reward/verifiable_mean"][0]  # iteration 1: advantages of the verifiable reward
-    assert h["reward/mean"][1] != h["reward/verifiable_mean"][1]  # iteration 2: the trained reward model's scores
-    with pytest.raises(common.UsageError, match="--train-reward-model without --reward-model-path needs --iterations >= 2"):
+    assert (
+        h["reward/mean"][0] == h["reward/verifiable_mean"][0]
+    )  # iteration 1: advantages of the verifiable reward
+    assert (
+        h["reward/mean"][1] != h["reward/verifiable_mean"][1]
+    )  # iteration 2: the trained reward model's scores
+    with pytest.raises(
+        common.UsageError,
+        match="--train-reward-model without --reward-model-path needs --iterations >= 2",
+    ):
         grpo_lm.validate(grpo_lm.Args(train_reward_model=True))
 
 
 def test_resume_refuses_to_move_the_iteration_boundaries(tiny_model_dir, tmp_path):
-    # item 8: --iterations splits --total-steps; a resumed run with another --total-steps would move the boundaries
-    grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, iterations=2, save_every=1, beta=0.1), task=digit_task())
+    # item 8: --iterations splits --total-steps; a resumed run with another --total-steps would move
+    # the boundaries
+    grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=2, iterations=2, save_every=1, beta=0.1),
+        task=digit_task(),
+    )
     ckpt = str(tmp_path / "run" / "checkpoint.pt")
     with pytest.raises(common.UsageError, match=r"--total-steps: .*iterations of 1 step"):
-        grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=6, iterations=2, beta=0.1, resume=ckpt), task=digit_task())
-    resumed = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=3, iterations=3, beta=0.1, resume=ckpt),
-                           task=digit_task())  # the same iteration length: fine
+        grpo_lm.main(
+            tiny_args(tiny_model_dir, tmp_path, total_steps=6, iterations=2, beta=0.1, resume=ckpt),
+            task=digit_task(),
+        )
+    resumed = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=3, iterations=3, beta=0.1, resume=ckpt),
+        task=digit_task(),
+    )  # the same iteration length: fine
     assert resumed["loss/kl"] == [0.0]  # step 3 starts iteration 3: reference <- policy
 
 
 def test_eval_size_zero_means_no_evaluation(tiny_model_dir, tmp_path):
     # item 8: --eval-size 0 turns the held-out evaluation off (and holds nothing out)
-    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1, eval_size=0), task=digit_task())
+    h = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=1, eval_size=0), task=digit_task()
+    )
     assert "eval/accuracy" not in h and len(h["reward/mean"]) == 1
 
 
 def test_dynamic_sampling_keeps_the_reward_functions_own_means(tiny_model_dir, tmp_path):
-    # issue 22: with --dynamic-sampling the reward/<fn>/mean scalars were lost (the merged batch dropped them);
-    # they are the means over the batch that is trained on
-    (tmp_path / "r.py").write_text("def length(completion, example):\n    return float(len(completion) % 3)\n")
-    h = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=2, dynamic_sampling=True,
-                               reward_fn=[f"{tmp_path}/r.py:length"]))
+    # issue 22: with --dynamic-sampling the reward/<fn>/mean scalars were lost (the merged batch
+    # dropped them); they are the means over the batch that is trained on
+    (tmp_path / "r.py").write_text(
+        "def length(completion, example):\n    return float(len(completion) % 3)\n"
+    )
+    h = grpo_lm.main(
+        tiny_args(
+            tiny_model_dir,
+            tmp_path,
+            total_steps=2,
+            dynamic_sampling=True,
+            reward_fn=[f"{tmp_path}/r.py:length"],
+        )
+    )
     assert len(h["reward/length/mean"]) == 2
     assert h["reward/length/mean"] == pytest.approx(h["reward/mean"])  # the only function, weight 1

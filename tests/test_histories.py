@@ -1,16 +1,19 @@
-"""Every logged scalar of grpo_lm.main() and ppo_lm.main(), step by step, for flag combinations that cover every
-feature, compared with recorded histories.
+"""Every logged scalar of grpo_lm.main() and ppo_lm.main(), step by step, for flag combinations that
+cover every feature, compared with recorded histories.
 
 The runs use the tests' tiny Llama on one CPU thread; timings and memory are left out. Two modes:
 
-- Against the committed recording (``tests/data/histories.json``), within a tolerance that holds across x86 CPUs
-  (the same torch wheel rounds differently on an Intel Xeon and an AMD EPYC: about 4e-6 relative on ``loss/kl``)
-  and still catches any change of the math: ``rel_tol=1e-3, abs_tol=1e-5``, and 0.03 absolute for the
-  ``*clip_fraction`` scalars (a count of tokens over about 200, where a rounding difference can move one token
-  across the clip edge). Measured on an Intel Xeon (issue 21): running torch's AVX2 or 2-thread kernels instead
-  of its AVX-512 ones moves values by up to 2e-4 relative and one value clip fraction by one token, all inside the
-  tolerance; ``--beta 0.0401`` instead of 0.04 fails 63 values, ``--adv-eps 1.1e-4`` 18, ``--clip-range 0.2001`` 4.
-- Bit-exact, on one machine, for refactors (a pure move changes no bit): record before, replay after::
+- Against the committed recording (``tests/data/histories.json``), within a tolerance that holds
+  across x86 CPUs (the same torch wheel rounds differently on an Intel Xeon and an AMD EPYC: about
+  4e-6 relative on ``loss/kl``) and still catches any change of the math: ``rel_tol=1e-3,
+  abs_tol=1e-5``, and 0.03 absolute for the ``*clip_fraction`` scalars (a count of tokens over about
+  200, where a rounding difference can move one token across the clip edge). Measured on an Intel
+  Xeon (issue 21): running torch's AVX2 or 2-thread kernels instead of its AVX-512 ones moves values
+  by up to 2e-4 relative and one value clip fraction by one token, all inside the tolerance;
+  ``--beta 0.0401`` instead of 0.04 fails 63 values, ``--adv-eps 1.1e-4`` 18, ``--clip-range
+  0.2001`` 4.
+- Bit-exact, on one machine, for refactors (a pure move changes no bit): record before, replay
+  after::
 
       python tests/test_histories.py --record /tmp/before.json
       HISTORIES=/tmp/before.json python -m pytest -q tests/test_histories.py
@@ -30,10 +33,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
+from test_grpo_lm import digit_task
 
 import grpo_lm
 import ppo_lm
-from test_grpo_lm import digit_task
 
 RECORD = Path(__file__).resolve().parent / "data" / "histories.json"
 
@@ -42,9 +45,18 @@ GRPO = {  # flags on top of the tiny run below; every grpo_lm feature appears in
     "mu2": dict(mu=2, beta=0.1),
     "beta0_eval": dict(beta=0.0, eval_every=1),
     "process_multistep": dict(supervision="process", task="multistep", scale_rewards="batch"),
-    "iterations_reward_model": dict(total_steps=4, iterations=2, train_reward_model=True, rm_learning_rate=1e-2),
-    "dapo_all": dict(loss_type="dapo", clip_range_high=0.28, overlong_buffer=4, mask_truncated_completions=True,
-                     dynamic_sampling=True, max_sampling_rounds=2, scale_rewards="none"),
+    "iterations_reward_model": dict(
+        total_steps=4, iterations=2, train_reward_model=True, rm_learning_rate=1e-2
+    ),
+    "dapo_all": dict(
+        loss_type="dapo",
+        clip_range_high=0.28,
+        overlong_buffer=4,
+        mask_truncated_completions=True,
+        dynamic_sampling=True,
+        max_sampling_rounds=2,
+        scale_rewards="none",
+    ),
     "dr_grpo_batch": dict(loss_type="dr_grpo", scale_rewards="batch"),
     "bnpo": dict(loss_type="bnpo", micro_batch_size=12),
     "gspo": dict(importance_sampling_level="sequence", mu=2),
@@ -52,11 +64,15 @@ GRPO = {  # flags on top of the tiny run below; every grpo_lm feature appears in
     "gradient_checkpointing": dict(gradient_checkpointing=True),
     "fast_generation_tis": dict(fast_generation=True, tis_cap=2.0),
     "top_p_per_call": dict(top_p=0.9, generation_groups_per_call=1),
-    "frozen_reward_model": dict(reward_model_path="{rm}"),  # format_reward=0.5 was recorded here: never paid, now refused
+    "frozen_reward_model": dict(
+        reward_model_path="{rm}"
+    ),  # format_reward=0.5 was recorded here: never paid, now refused
 }
 PPO = {
     "default": {},
-    "whiten_adaptive_kl": dict(whiten_rewards=True, adaptive_kl_target=0.01, adaptive_kl_horizon=32),
+    "whiten_adaptive_kl": dict(
+        whiten_rewards=True, adaptive_kl_target=0.01, adaptive_kl_horizon=32
+    ),
     "reward_model_eos_penalty": dict(reward_model_path="{rm}", missing_eos_penalty=1.0),
     "gradient_checkpointing": dict(gradient_checkpointing=True),
     "fast_generation_tis": dict(fast_generation=True, tis_cap=2.0),
@@ -65,27 +81,60 @@ PPO = {
 
 def _args(module, base: dict, flags: dict, models: dict[str, Path], run_dir: Path):
     flags = {k: (str(models["rm"]) if v == "{rm}" else v) for k, v in flags.items()}
-    return module.Args(**{**base, "model_name_or_path": str(models["policy"]), "runs_dir": str(run_dir), **flags})
+    return module.Args(
+        **{**base, "model_name_or_path": str(models["policy"]), "runs_dir": str(run_dir), **flags}
+    )
 
 
 def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
     """The history of every combination, without timings and memory."""
-    models = {"policy": make_tiny_model(tmp / "policy"), "rm": make_tiny_model(tmp / "rm", seed=1, kind="reward")}
-    grpo_base = dict(prompts_per_step=4, group_size=8, max_new_tokens=12, learning_rate=1e-2, temperature=1.0,
-                     eval_size=8, eval_every=0, sample_every=0, save_every=0, total_steps=2, seed=3, torch_threads=1)
-    ppo_base = dict(prompts_per_step=32, max_new_tokens=12, learning_rate=1e-2, temperature=1.0, eval_size=8,
-                    eval_every=0, sample_every=0, save_every=0, total_steps=2, seed=3, micro_batch_size=32,
-                    num_ppo_epochs=2, num_minibatches=2, torch_threads=1)
+    models = {
+        "policy": make_tiny_model(tmp / "policy"),
+        "rm": make_tiny_model(tmp / "rm", seed=1, kind="reward"),
+    }
+    grpo_base = dict(
+        prompts_per_step=4,
+        group_size=8,
+        max_new_tokens=12,
+        learning_rate=1e-2,
+        temperature=1.0,
+        eval_size=8,
+        eval_every=0,
+        sample_every=0,
+        save_every=0,
+        total_steps=2,
+        seed=3,
+        torch_threads=1,
+    )
+    ppo_base = dict(
+        prompts_per_step=32,
+        max_new_tokens=12,
+        learning_rate=1e-2,
+        temperature=1.0,
+        eval_size=8,
+        eval_every=0,
+        sample_every=0,
+        save_every=0,
+        total_steps=2,
+        seed=3,
+        micro_batch_size=32,
+        num_ppo_epochs=2,
+        num_minibatches=2,
+        torch_threads=1,
+    )
     out = {}
     threads = torch.get_num_threads()
     try:
         for module, base, combos in ((grpo_lm, grpo_base, GRPO), (ppo_lm, ppo_base, PPO)):
             for name, flags in combos.items():
-                args = _args(module, {**base, "run_name": name}, flags, models, tmp / module.__name__)
+                args = _args(
+                    module, {**base, "run_name": name}, flags, models, tmp / module.__name__
+                )
                 task = None if flags.get("task") == "multistep" else digit_task()
                 history = module.main(args, task=task)
-                out[f"{module.__name__}/{name}"] = {k: v for k, v in history.items()
-                                                    if not k.startswith(("time/", "memory/"))}
+                out[f"{module.__name__}/{name}"] = {
+                    k: v for k, v in history.items() if not k.startswith(("time/", "memory/"))
+                }
     finally:
         torch.set_num_threads(threads)
     return out
@@ -100,7 +149,9 @@ def close(key: str, now: float, recorded: float) -> bool:
     """The cross-CPU tolerance of the module docstring (NaN equals NaN)."""
     if now == recorded or (math.isnan(now) and math.isnan(recorded)):
         return True
-    return math.isclose(now, recorded, rel_tol=1e-3, abs_tol=0.03 if key.endswith("clip_fraction") else 1e-5)
+    return math.isclose(
+        now, recorded, rel_tol=1e-3, abs_tol=0.03 if key.endswith("clip_fraction") else 1e-5
+    )
 
 
 @pytest.mark.parametrize("run", [f"grpo_lm/{n}" for n in GRPO] + [f"ppo_lm/{n}" for n in PPO])
@@ -114,12 +165,16 @@ def test_history_matches_the_recording(run, histories):
         if exact:
             assert now[key] == values, key
         else:
-            assert all(close(key, a, b) for a, b in zip(now[key], values)), (key, now[key], values)
+            assert all(close(key, a, b) for a, b in zip(now[key], values, strict=True)), (
+                key,
+                now[key],
+                values,
+            )
 
 
 def test_the_tolerance_tells_a_cpu_apart_from_a_change_of_the_math():
-    """Pins the tolerance with the figures of the module docstring: the Intel/AMD difference issue 21 measured
-    passes, a change of --beta (or any other flag) in the fourth digit does not."""
+    """Pins the tolerance with the figures of the module docstring: the Intel/AMD difference issue
+    21 measured passes, a change of --beta (or any other flag) in the fourth digit does not."""
     assert close("loss/kl", 0.008276622, 0.008276656)  # AMD EPYC vs Intel Xeon, same wheel
     assert close("loss/value_clip_fraction", 0.0795, 0.0625)  # one token across the clip edge
     assert not close("loss/kl", 0.008290207, 0.008276656)  # --adv-eps 1.1e-4 instead of 1e-4

@@ -1,122 +1,208 @@
-"""--lora-rank (issue 16): only the adapters train, the reference is the policy with its adapter disabled, checkpoints
-hold the adapters and resume exactly, final_model/ is a merged model; with --fast-generation and under torchrun."""
+"""--lora-rank (issue 16): only the adapters train, the reference is the policy with its adapter
+disabled, checkpoints hold the adapters and resume exactly, final_model/ is a merged model; with
+--fast-generation and under torchrun."""
 
 import pytest
 import torch
+from test_grpo_lm import digit_task, tiny_args
 
 import common
 import grpo_lm
-from test_grpo_lm import digit_task, tiny_args
 
-LORA = dict(lora_rank=4, learning_rate=3e-2, beta=0.1, torch_threads=1)  # on the tiny model with a real logit scale
+LORA = dict(
+    lora_rank=4, learning_rate=3e-2, beta=0.1, torch_threads=1
+)  # on the tiny model with a real logit scale
 
 
 def test_lora_learns_and_trains_only_the_adapters(tiny_lora_model_dir, tmp_path, monkeypatch):
     loaded = []
     load_model = common.load_model
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: loaded.append(k.get("kind", "causal-lm")) or load_model(*a, **k))
-    history = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path, total_steps=25, **LORA), task=digit_task())
+    monkeypatch.setattr(
+        common,
+        "load_model",
+        lambda *a, **k: loaded.append(k.get("kind", "causal-lm")) or load_model(*a, **k),
+    )
+    history = grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path, total_steps=25, **LORA), task=digit_task()
+    )
     rewards = history["reward/mean"]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
-    assert loaded == ["causal-lm"]  # the reference is the policy without its adapter: no second model
-    assert history["loss/kl"][0] == 0.0 and history["loss/kl"][-1] > 0  # ... which starts equal to the policy
+    assert loaded == [
+        "causal-lm"
+    ]  # the reference is the policy without its adapter: no second model
+    assert (
+        history["loss/kl"][0] == 0.0 and history["loss/kl"][-1] > 0
+    )  # ... which starts equal to the policy
     ckpt = common.load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    assert ckpt["policy"] and all("lora_" in k for k in ckpt["policy"]) and ckpt["reference"] is None
+    assert (
+        ckpt["policy"] and all("lora_" in k for k in ckpt["policy"]) and ckpt["reference"] is None
+    )
     base = common.load_model(str(tiny_lora_model_dir)).state_dict()
     from transformers import AutoModelForCausalLM
 
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final_model")  # loads without peft
+    merged = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "run" / "final_model"
+    )  # loads without peft
     changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])]
-    assert changed and all(k.endswith("proj.weight") for k in changed), changed  # only the adapted projections moved
+    assert changed and all(k.endswith("proj.weight") for k in changed), (
+        changed
+    )  # only the adapted projections moved
 
 
 def test_final_model_is_the_policy_with_its_adapters_merged(tiny_lora_model_dir, tmp_path):
     grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path, total_steps=2, **LORA), task=digit_task())
     ckpt = common.load_checkpoint(tmp_path / "run" / "checkpoint.pt")
-    policy = common.load_policy(grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), **LORA), "cpu")
+    policy = common.load_policy(
+        grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), **LORA), "cpu"
+    )
     common.load_trained_weights(policy, ckpt["policy"])
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final_model").eval()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
         with policy.disable_adapter():  # the adapters did move the policy
-            assert not torch.allclose(merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-4)
+            assert not torch.allclose(
+                merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-4
+            )
 
 
 def test_lora_resume_reproduces_the_uninterrupted_run(tiny_lora_model_dir, tmp_path):
     kw = dict(LORA, mu=2)
-    full = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw), task=digit_task())
-    grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task())
-    resumed = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=4, resume=str(tmp_path / "b" / "run" / "checkpoint.pt"),
-                                     **kw), task=digit_task())
+    full = grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw),
+        task=digit_task(),
+    )
+    grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task()
+    )
+    resumed = grpo_lm.main(
+        tiny_args(
+            tiny_lora_model_dir,
+            tmp_path / "b",
+            total_steps=4,
+            resume=str(tmp_path / "b" / "run" / "checkpoint.pt"),
+            **kw,
+        ),
+        task=digit_task(),
+    )
     for key in ("loss/policy", "reward/mean", "loss/kl", "optim/grad_norm"):
         assert resumed[key] == full[key][2:], key  # exact
     with pytest.raises(common.UsageError, match="--lora-rank: cannot change when resuming"):
-        grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=5, resume=str(tmp_path / "b" / "run" / "checkpoint.pt"),
-                               **{**kw, "lora_rank": 8}), task=digit_task())
+        grpo_lm.main(
+            tiny_args(
+                tiny_lora_model_dir,
+                tmp_path / "b",
+                total_steps=5,
+                resume=str(tmp_path / "b" / "run" / "checkpoint.pt"),
+                **{**kw, "lora_rank": 8},
+            ),
+            task=digit_task(),
+        )
 
 
-def test_an_adapter_on_a_tied_lm_head_is_saved_alone_resumes_exactly_and_merges(tiny_lora_model_dir, tmp_path):
-    # the tiny model, as SmolLM2, ties its LM head to the input embeddings: the head's adapter must adapt the head
-    # only, the checkpoint hold the adapters only (not the frozen shared weight), and final_model be the policy
+def test_an_adapter_on_a_tied_lm_head_is_saved_alone_resumes_exactly_and_merges(
+    tiny_lora_model_dir, tmp_path
+):
+    # the tiny model, as SmolLM2, ties its LM head to the input embeddings: the head's adapter must
+    # adapt the head only, the checkpoint hold the adapters only (not the frozen shared weight), and
+    # final_model be the policy
     kw = dict(LORA, lora_target_modules=("q_proj", "lm_head"))
-    full = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw), task=digit_task())
-    grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task())
+    full = grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw),
+        task=digit_task(),
+    )
+    grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task()
+    )
     ckpt = tmp_path / "b" / "run" / "checkpoint.pt"
     saved = common.load_checkpoint(ckpt)["policy"]
-    assert all("lora_" in k for k in saved) and any("lm_head.lora_B" in k for k in saved), sorted(saved)
-    resumed = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=4, resume=str(ckpt), **kw),
-                           task=digit_task())
+    assert all("lora_" in k for k in saved) and any("lm_head.lora_B" in k for k in saved), sorted(
+        saved
+    )
+    resumed = grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path / "b", total_steps=4, resume=str(ckpt), **kw),
+        task=digit_task(),
+    )
     for key in ("loss/policy", "reward/mean", "loss/kl", "optim/grad_norm"):
         assert resumed[key] == full[key][2:], key  # exact
-    policy = common.load_policy(grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), **kw), "cpu")
-    common.load_trained_weights(policy, common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")["policy"])
+    policy = common.load_policy(
+        grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), **kw), "cpu"
+    )
+    common.load_trained_weights(
+        policy, common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")["policy"]
+    )
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "run" / "final_model").eval()
     base = common.load_model(str(tiny_lora_model_dir))
-    assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)  # only the head moved
-    assert not torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+    assert torch.equal(
+        merged.get_input_embeddings().weight, base.get_input_embeddings().weight
+    )  # only the head moved
+    assert not torch.equal(
+        merged.get_output_embeddings().weight, base.get_output_embeddings().weight
+    )
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            merged(input_ids=ids).logits, policy(input_ids=ids).logits, atol=1e-5, rtol=1e-5
+        )
 
 
 def test_lora_with_fast_generation_samples_from_the_current_adapter(tiny_lora_model_dir, tmp_path):
-    # the rewards are those of the bf16 sampler's completions: they only rise if the copy follows the adapters
-    history = grpo_lm.main(tiny_args(tiny_lora_model_dir, tmp_path, total_steps=25, fast_generation=True, **LORA),
-                           task=digit_task())
+    # the rewards are those of the bf16 sampler's completions: they only rise if the copy follows
+    # the adapters
+    history = grpo_lm.main(
+        tiny_args(tiny_lora_model_dir, tmp_path, total_steps=25, fast_generation=True, **LORA),
+        task=digit_task(),
+    )
     rewards = history["reward/mean"]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
 
 
-def test_ppo_lora_trains_only_the_policys_adapters_and_resumes_exactly(tiny_lora_model_dir, tmp_path):
-    import ppo_lm
+def test_ppo_lora_trains_only_the_policys_adapters_and_resumes_exactly(
+    tiny_lora_model_dir, tmp_path
+):
     from test_ppo_lm import tiny_args as ppo_args
 
+    import ppo_lm
+
     kw = dict(lora_rank=4, learning_rate=3e-2, beta=0.1, max_new_tokens=8)
-    full = ppo_lm.main(ppo_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw), task=digit_task())
-    ppo_lm.main(ppo_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task())
+    full = ppo_lm.main(
+        ppo_args(tiny_lora_model_dir, tmp_path / "a", total_steps=4, save_every=2, **kw),
+        task=digit_task(),
+    )
+    ppo_lm.main(
+        ppo_args(tiny_lora_model_dir, tmp_path / "b", total_steps=2, **kw), task=digit_task()
+    )
     ckpt = tmp_path / "b" / "run" / "checkpoint.pt"
     saved = common.load_checkpoint(ckpt)
     assert all("lora_" in k for k in saved["policy"]) and "reference" not in saved
-    resumed = ppo_lm.main(ppo_args(tiny_lora_model_dir, tmp_path / "b", total_steps=4, resume=str(ckpt), **kw),
-                          task=digit_task())
+    resumed = ppo_lm.main(
+        ppo_args(tiny_lora_model_dir, tmp_path / "b", total_steps=4, resume=str(ckpt), **kw),
+        task=digit_task(),
+    )
     for key in ("loss/policy", "loss/value", "reward/mean", "loss/kl"):
         assert resumed[key] == full[key][2:], key
-    assert full["loss/kl"][0] == 0.0 and full["loss/kl"][-1] > 0  # the reference: the policy without its adapter
-
+    assert (
+        full["loss/kl"][0] == 0.0 and full["loss/kl"][-1] > 0
+    )  # the reference: the policy without its adapter
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_model_dir):
-    """--lora-target-modules lm_head: the float32 head must run the adapter too, or the ratio and the KL would be
-    those of the model without it while the sampler draws with it."""
+    """--lora-target-modules lm_head: the float32 head must run the adapter too, or the ratio and
+    the KL would be those of the model without it while the sampler draws with it."""
     import ppo_lm
 
-    args = grpo_lm.Args(model_name_or_path=str(tiny_lora_model_dir), lora_rank=4, lora_target_modules=("q_proj", "lm_head"))
+    args = grpo_lm.Args(
+        model_name_or_path=str(tiny_lora_model_dir),
+        lora_rank=4,
+        lora_target_modules=("q_proj", "lm_head"),
+    )
     policy = common.load_policy(args, "cpu")
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -128,7 +214,9 @@ def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_mode
         direct = policy(input_ids=ids, attention_mask=att).logits[:, 2:-1].log_softmax(-1)
         direct = direct.gather(2, ids[:, 3:, None]).squeeze(-1)
         if script == "grpo":
-            logp = grpo_lm.token_log_probs(policy, ids[:, :3], att[:, :3], torch.tensor([0]), ids[:, 3:], att[:, 3:], 1.0)
+            logp = grpo_lm.token_log_probs(
+                policy, ids[:, :3], att[:, :3], torch.tensor([0]), ids[:, 3:], att[:, 3:], 1.0
+            )
         else:
             logp = ppo_lm.token_log_probs(policy, ids, att, 3, 1.0)
     torch.testing.assert_close(logp, direct, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,5 @@
-"""common.py's model loading as both LM scripts use it: what the sampler samples from, how a reward model
-is read, dropout. Each test pins an item of "Trust I" (issue 13) on tiny random models."""
+"""common.py's model loading as both LM scripts use it: what the sampler samples from, how a reward
+model is read, dropout. Each test pins an item of "Trust I" (issue 13) on tiny random models."""
 
 import json
 
@@ -18,26 +18,56 @@ def _with_generation_config(path, **fields):
 
 
 def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
-    # Trust I item 1: a checkpoint's generation_config.json (here repetition_penalty 1.5, as many instruct models
-    # ship) must not change what `generate` samples from: the ratio and the KL assume softmax(logits / T). The
-    # sampler's own log probs (generate's processed scores) must equal the training pass's.
-    path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5, no_repeat_ngram_size=2,
-                                   min_new_tokens=4, suppress_tokens=[5, 6])
+    # Trust I item 1: a checkpoint's generation_config.json (here repetition_penalty 1.5, as many
+    # instruct models ship) must not change what `generate` samples from: the ratio and the KL
+    # assume softmax(logits / T). The sampler's own log probs (generate's processed scores) must
+    # equal the training pass's.
+    path = _with_generation_config(
+        make_tiny_model(tmp_path / "m"),
+        repetition_penalty=1.5,
+        no_repeat_ngram_size=2,
+        min_new_tokens=4,
+        suppress_tokens=[5, 6],
+    )
     model = common.load_model(str(path)).eval()
     tok = common.load_tokenizer(str(path))
-    prompts = tok(["1+1=", "What is 12 + 30?"], return_tensors="pt", padding=True, add_special_tokens=False)
+    prompts = tok(
+        ["1+1=", "What is 12 + 30?"], return_tensors="pt", padding=True, add_special_tokens=False
+    )
     ids = prompts["input_ids"].repeat_interleave(4, 0)
     att = prompts["attention_mask"].repeat_interleave(4, 0)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=att, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
-                             max_new_tokens=10, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                             output_scores=True, return_dict_in_generate=True)
-        completions = out.sequences[:, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=att,
+            do_sample=True,
+            temperature=0.7,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=10,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        completions = out.sequences[:, ids.shape[1] :]
         mask = grpo_lm.completion_mask(completions, tok.eos_token_id)
-        sampler = torch.stack(out.scores, 1).log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
-        learner = grpo_lm.token_log_probs(model, prompts["input_ids"], prompts["attention_mask"],
-                                          torch.arange(2).repeat_interleave(4), completions, mask.long(), 0.7)
+        sampler = (
+            torch.stack(out.scores, 1)
+            .log_softmax(-1)
+            .gather(2, completions.unsqueeze(-1))
+            .squeeze(-1)
+        )
+        learner = grpo_lm.token_log_probs(
+            model,
+            prompts["input_ids"],
+            prompts["attention_mask"],
+            torch.arange(2).repeat_interleave(4),
+            completions,
+            mask.long(),
+            0.7,
+        )
     assert mask.sum() > 16
     valid = mask.bool()
     torch.testing.assert_close(sampler[valid], learner[valid], atol=2e-5, rtol=0)
@@ -45,13 +75,16 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
 
 
 def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
-    # the neutral sampling config is for training only: a saved model keeps the settings it came with
+    # the neutral sampling config is for training only: a saved model keeps the settings it came
+    # with
     path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
     model = common.load_model(str(path))
     common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out", str(path))
     saved = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert saved["repetition_penalty"] == 1.5
-    assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "tokenizer_config.json").is_file()
+    assert (tmp_path / "out" / "config.json").is_file() and (
+        tmp_path / "out" / "tokenizer_config.json"
+    ).is_file()
 
 
 def _pad_is_eos_reward_model(path):
@@ -67,8 +100,9 @@ def _pad_is_eos_reward_model(path):
 
 
 def test_reward_model_scores_equal_its_own_forward_when_pad_is_eos(tmp_path):
-    # Trust I item 3: transformers' sequence-classification pooling reads the last token that is not the pad token;
-    # with pad == EOS that is the token before the EOS. Our scores must equal the model's own forward on the text.
+    # Trust I item 3: transformers' sequence-classification pooling reads the last token that is not
+    # the pad token; with pad == EOS that is the token before the EOS. Our scores must equal the
+    # model's own forward on the text.
     path = _pad_is_eos_reward_model(tmp_path / "rm")
     rm = common.load_model(str(path), kind="reward").eval()
     tok = common.load_tokenizer(str(path))
@@ -76,36 +110,62 @@ def test_reward_model_scores_equal_its_own_forward_when_pad_is_eos(tmp_path):
     texts = ["What is 1 + 2?3<eos>", "1+1=2<eos>", "1+1=22"]  # the last one never emitted EOS
     rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     ids, att = common.pad_left(rows, tok.pad_token_id)
-    ids = torch.cat([ids, torch.full((3, 2), tok.pad_token_id)], 1)  # right padding after the EOS, as in a batch
+    ids = torch.cat(
+        [ids, torch.full((3, 2), tok.pad_token_id)], 1
+    )  # right padding after the EOS, as in a batch
     att = torch.cat([att, torch.zeros(3, 2, dtype=torch.long)], 1)
     with torch.no_grad():
         scores = common.reward_model_scores(rm, ids, att)
         alone = torch.cat([rm(input_ids=torch.tensor([r])).logits[:, 0] for r in rows])
-        before_eos = torch.cat([rm.score(rm.base_model(input_ids=torch.tensor([r])).last_hidden_state)[0, -2]
-                                for r in rows[:2]])
+        before_eos = torch.cat(
+            [
+                rm.score(rm.base_model(input_ids=torch.tensor([r])).last_hidden_state)[0, -2]
+                for r in rows[:2]
+            ]
+        )
     torch.testing.assert_close(scores, alone, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(scores[:2], before_eos, atol=1e-5, rtol=1e-5)  # read one token before the EOS
+    torch.testing.assert_close(
+        scores[:2], before_eos, atol=1e-5, rtol=1e-5
+    )  # read one token before the EOS
 
 
 def test_a_causal_lm_is_not_taken_for_a_reward_model(tiny_model_dir):
-    # Trust II: a plain causal LM loaded as a sequence classifier gets a randomly initialised score head
-    with pytest.raises(common.UsageError, match=r"--reward-model-path: .* has no trained score head"):
-        common.load_reward_model(str(tiny_model_dir), common.load_tokenizer(str(tiny_model_dir)), "cpu")
+    # Trust II: a plain causal LM loaded as a sequence classifier gets a randomly initialised score
+    # head
+    with pytest.raises(
+        common.UsageError, match=r"--reward-model-path: .* has no trained score head"
+    ):
+        common.load_reward_model(
+            str(tiny_model_dir), common.load_tokenizer(str(tiny_model_dir)), "cpu"
+        )
 
 
 def test_reward_model_with_a_smaller_vocabulary_is_refused(tiny_model_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    config = LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, num_labels=1, pad_token_id=1)
+    config = LlamaConfig(
+        vocab_size=10,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=1,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "small")
-    with pytest.raises(common.UsageError, match=r"--reward-model-path: its vocabulary \(10\) is smaller"):
-        common.load_reward_model(str(tmp_path / "small"), common.load_tokenizer(str(tiny_model_dir)), "cpu")
+    with pytest.raises(
+        common.UsageError, match=r"--reward-model-path: its vocabulary \(10\) is smaller"
+    ):
+        common.load_reward_model(
+            str(tmp_path / "small"), common.load_tokenizer(str(tiny_model_dir)), "cpu"
+        )
 
 
 def test_dropout_is_off_everywhere_even_in_train_mode(tmp_path):
-    # Trust I item 11: Llama attention copies config.attention_dropout into a float at construction, which the
-    # config change alone misses; under --gradient-checkpointing the updates run in train mode.
+    # Trust I item 11: Llama attention copies config.attention_dropout into a float at construction,
+    # which the config change alone misses; under --gradient-checkpointing the updates run in train
+    # mode.
     path = make_tiny_model(tmp_path / "m")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.3}))

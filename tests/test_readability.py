@@ -1,5 +1,6 @@
-"""Each script reads beside its paper (issue 15): the budgets that keep main() on a screen, measured with ast, so that
-the creep cannot come back silently. Lines are a function's source lines, docstring included."""
+"""Each script reads beside its paper (issue 15): the budgets that keep main() on a screen, measured
+with ast, so that the creep cannot come back silently. Lines are a function's source lines,
+docstring included."""
 
 import ast
 import io
@@ -10,24 +11,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer functions allowed)
-BUDGETS = {  # the LM scripts' main(): issue 22's budgets, lines of at most 100 characters (below)
+# script: (the function that holds the algorithm's loop, its budget, the loop's budget, longer
+# functions allowed); the LM scripts' main(): issue 22's budgets, with lines of at most 100
+# characters (checked below)
+BUDGETS = {
     "grpo_lm.py": ("main", 140, 85, {"grpo_loss": 75, "token_log_probs": 45}),
     "ppo_lm.py": ("main", 150, 95, {}),
     "ppo_continuous.py": ("train", 150, None, {}),
 }
 OTHER_FUNCTIONS = 60
-MATH_BLOCKS = {  # the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone
-    "grpo_lm.py": ["completion_mask", "group_advantages", "token_log_probs", "k3_kl", "grpo_loss", "aggregate",
-                   "float32_lm_head"],
-    "ppo_lm.py": ["completion_mask", "token_log_probs", "token_values", "per_token_rewards", "masked_whiten", "gae",
-                  "ppo_loss", "adaptive_kl_coef", "float32_lm_head"],
+# the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone
+MATH_BLOCKS = {
+    "grpo_lm.py": [
+        "completion_mask",
+        "group_advantages",
+        "token_log_probs",
+        "k3_kl",
+        "grpo_loss",
+        "aggregate",
+        "float32_lm_head",
+    ],
+    "ppo_lm.py": [
+        "completion_mask",
+        "token_log_probs",
+        "token_values",
+        "per_token_rewards",
+        "masked_whiten",
+        "gae",
+        "ppo_loss",
+        "adaptive_kl_coef",
+        "float32_lm_head",
+    ],
 }
 
 
 def _functions(path: Path) -> dict[str, ast.FunctionDef]:
     tree = ast.parse(path.read_text())
-    return {node.name: node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return {
+        node.name: node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
 
 
 def _lines(node: ast.AST) -> int:
@@ -38,23 +62,35 @@ def _lines(node: ast.AST) -> int:
 def test_the_algorithm_fits_its_budget(script):
     name, budget, loop_budget, _ = BUDGETS[script]
     function = _functions(ROOT / script)[name]
-    assert _lines(function) <= budget, f"{script}: {name}() has {_lines(function)} lines, budget {budget}"
+    assert _lines(function) <= budget, (
+        f"{script}: {name}() has {_lines(function)} lines, budget {budget}"
+    )
     if script in ("grpo_lm.py", "ppo_lm.py"):  # a budget met by widening lines is no budget
         text = (ROOT / script).read_text().splitlines()[function.lineno - 1 : function.end_lineno]
         wide = [line for line in text if len(line) > 100]
         assert not wide, f"{script}: {name}() has lines over 100 characters: {wide[:2]}"
     if loop_budget is not None:
-        loops = [node for node in ast.walk(function) if isinstance(node, ast.For)
-                 and isinstance(node.target, ast.Name) and node.target.id == "step"]
+        loops = [
+            node
+            for node in ast.walk(function)
+            if isinstance(node, ast.For)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == "step"
+        ]
         assert loops, f"{script}: no `for step in ...` loop in {name}()"
-        assert _lines(loops[0]) <= loop_budget, f"{script}: the loop has {_lines(loops[0])} lines, budget {loop_budget}"
+        assert _lines(loops[0]) <= loop_budget, (
+            f"{script}: the loop has {_lines(loops[0])} lines, budget {loop_budget}"
+        )
 
 
 @pytest.mark.parametrize("script", list(BUDGETS))
 def test_no_other_function_is_long(script):
     main, _, _, allowed = BUDGETS[script]
-    long = {name: _lines(node) for name, node in _functions(ROOT / script).items()
-            if name != main and _lines(node) > allowed.get(name, OTHER_FUNCTIONS)}
+    long = {
+        name: _lines(node)
+        for name, node in _functions(ROOT / script).items()
+        if name != main and _lines(node) > allowed.get(name, OTHER_FUNCTIONS)
+    }
     assert not long, f"{script}: over {OTHER_FUNCTIONS} lines (or their own budget): {long}"
 
 
@@ -63,14 +99,18 @@ def test_the_math_block_needs_torch_alone(script):
     text = (ROOT / script).read_text()
     tree = ast.parse(text)
     top = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
-    banner = text[:text.index("# ALGO LOGIC")].count("\n") + 1
+    banner = text[: text.index("# ALGO LOGIC")].count("\n") + 1
     main = next(node.lineno for node in top if node.name == "main")
     block = [node for node in top if banner < node.lineno < main]
-    assert [node.name for node in block] == MATH_BLOCKS[script], script  # the block, in the loop's order
+    assert [node.name for node in block] == MATH_BLOCKS[script], (
+        script
+    )  # the block, in the loop's order
     defined = {node.name for node in top}
     for node in block:
         used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        assert not used & {"common", "args"}, f"{script}: {node.name} uses {used & {'common', 'args'}}"
+        assert not used & {"common", "args"}, (
+            f"{script}: {node.name} uses {used & {'common', 'args'}}"
+        )
         outside = (used & defined) - set(MATH_BLOCKS[script])
         assert not outside, f"{script}: {node.name} calls {outside}, defined outside the math block"
 
@@ -81,16 +121,18 @@ def test_the_banner_covers_plumbing_only(script):
     text = (ROOT / script).read_text()
     main = _functions(ROOT / script)["main"]
     assert text.count("# TRY NOT TO MODIFY") == 1, script
-    assert text[:text.index("# TRY NOT TO MODIFY")].count("\n") + 1 > main.end_lineno, script
+    assert text[: text.index("# TRY NOT TO MODIFY")].count("\n") + 1 > main.end_lineno, script
 
 
-# script: (total lines, code lines) of the script and every module of this repository it imports, transitively (what
-# a user copies to run it; issue 23). Code lines hold a token other than a comment or a newline, docstrings left out.
+# script: (total lines, code lines) of the script and every module of this repository it imports,
+# transitively (what a user copies to run it; issue 23). Code lines hold a token other than a
+# comment or a newline, docstrings left out.
 WEIGHT_BUDGETS = {"ppo_continuous.py": (700, 450)}
 
 
 def _local_imports(path: Path) -> set[Path]:
-    """The modules of this repository (its top-level .py files) that ``path`` imports, anywhere in the file."""
+    """The modules of this repository (its top-level .py files) that ``path`` imports, anywhere in
+    the file."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -105,9 +147,20 @@ def _code_lines(text: str) -> int:
     for node in ast.walk(ast.parse(text)):
         body = getattr(node, "body", None)
         first = body[0] if isinstance(body, list) and body else None
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
             docstrings |= set(range(first.lineno, first.end_lineno + 1))
-    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    layout = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
     lines = set()
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type not in layout:
@@ -116,7 +169,8 @@ def _code_lines(text: str) -> int:
 
 
 def weight(script: str) -> tuple[int, int]:
-    """``(total lines, code lines)`` of ``script`` and every module of this repository it imports, transitively."""
+    """``(total lines, code lines)`` of ``script`` and every module of this repository it imports,
+    transitively."""
     seen, todo = {ROOT / script}, [ROOT / script]
     while todo:
         for module in _local_imports(todo.pop()) - seen:
@@ -130,4 +184,6 @@ def weight(script: str) -> tuple[int, int]:
 def test_what_a_user_copies_fits_its_weight_budget(script):
     (total, code), (total_budget, code_budget) = weight(script), WEIGHT_BUDGETS[script]
     assert total <= total_budget and code <= code_budget, (
-        f"{script} with its imports: {total} lines ({code} code), budget {total_budget} ({code_budget})")
+        f"{script} with its imports: {total} lines ({code} code), budget {total_budget} "
+        f"({code_budget})"
+    )
