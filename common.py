@@ -337,9 +337,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 
     Raises:
         UsageError: ``obj`` holds a NaN or an inf (nothing is written), or the file cannot be
-        written
-            (read-only directory, disk full); the line says whether the previous checkpoint is
-            intact.
+            written (read-only directory, disk full); the line says whether the previous checkpoint
+            is intact.
     """
     import glob
 
@@ -931,9 +930,8 @@ def load_model(
                 if getattr(own, k, None) is not None
             }
         )
-    for (
-        module
-    ) in model.modules():  # nn.Dropout, and the floats attention modules copy from the config
+    # dropout off: nn.Dropout, and the floats attention modules copy from the config
+    for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
         for obj in (module, model.config):

@@ -14,33 +14,38 @@ No value model. With --mu > 1 the batch is reused for mu updates: pi_old is the 
 it, so ratio_it uses the old log probs stored once before the first update (step 4); with mu = 1
 pi_old = pi_theta and ratio_it = 1 (its gradient is still that of eq. 3).
 
-Where Algorithm 1 lives (read from the top down to the end of main(); the rest is fenced below it):
-  ALGO LOGIC     completion_mask, group_advantages (§4.1.2), token_log_probs, k3_kl (eq. 4), grpo_loss (eq. 3),
-                 aggregate (the 1/G sum_i 1/|o_i| sum_t of eq. 3), float32_lm_head (numerics)
-  main()         input: policy, reference, reward; then per step: 0. reference <- policy at each iteration,
-                 1. sample G outputs per question, 2. rewards, 3. advantages, 4. old and reference log probs,
-                 5. mu updates of eq. 3, 6. the reward model's continual training (§4.1.4)
-  below main()   steps 1-2 in full (sample_and_score, reward), then the extensions, each in a labelled section
-Every flag defaults to the paper's GRPO. Each extension reaches the loop through one line tagged with its
-source and lives in a named function below main(), or is an option of a math-block function (the loss
-variants, passed by variant_options): DeepSeekMath's own process supervision (§4.1.3,
+Where Algorithm 1 lives (read from the top down to the end of main(); the rest is below it):
+  Args, Batch    the flags (each constraint beside it); the samples of steps 1-2 of a step
+  ALGO LOGIC     completion_mask, group_advantages (§4.1.2), MicroBatch, token_log_probs, k3_kl
+                 (eq. 4), grpo_loss (eq. 3), aggregate (eq. 3's 1/G sum_i 1/|o_i| sum_t),
+                 float32_lm_head (numerics)
+  main()         input: policy, reference, reward; then per step: 0. reference <- policy at each
+                 iteration, 1. sample G outputs per question, 2. rewards, 3. advantages, 4. old
+                 and reference log probs, 5. mu updates of eq. 3, 6. the reward model's training
+  below main()   steps 1-2 in full (sample_and_score, reward), then the extensions, each in a
+                 labelled section
+Every flag defaults to the paper's GRPO. Each extension reaches the loop through one line tagged
+with its source and lives in a named function below main(), or is an option of a math-block function
+(the loss variants, passed by variant_options): DeepSeekMath's own process supervision (§4.1.3,
 --supervision process) and iterative RL with a retrained reward model (Algorithm 1, --iterations,
---train-reward-model); later variants: Dr. GRPO (arXiv 2503.20783: --loss-type dr_grpo, --scale-rewards),
-DAPO (arXiv 2503.14476: --clip-range-high, --dynamic-sampling, --overlong-buffer, --mask-truncated-completions,
---loss-type dapo), GSPO (arXiv 2507.18071: --importance-sampling-level sequence); scale-out and speed: the
-samplers (--fast-generation, --tis-cap), micro-batches, torchrun. The run features both LM scripts
-share (your own --reward-fn, --dataset fields, --task countdown, --answer-format think, --lora-rank, --track,
---eval-only) are plumbing in common.py: the loop reads the same with them. Departures from the paper: the
-learning rate (1e-5, as its 1e-6 barely moves a 135M model in 30 steps), G = 8 and 4 questions per step by
-default, and the KL and ratio taken between temperature-scaled distributions (softmax(logits / T)). Where the
-paper leaves a choice open: process supervision makes each completion's final answer one more step, carrying
-the outcome reward, and the iterative reward model is trained by MSE regression on the verifiable reward.
+--train-reward-model); later variants: Dr. GRPO (arXiv 2503.20783: --loss-type dr_grpo,
+--scale-rewards), DAPO (arXiv 2503.14476: --clip-range-high, --dynamic-sampling, --overlong-buffer,
+--mask-truncated-completions, --loss-type dapo), GSPO (arXiv 2507.18071: --importance-sampling-level
+sequence); scale-out and speed: the samplers (--fast-generation, --tis-cap), micro-batches,
+torchrun. The run features both LM scripts share (your own --reward-fn, --dataset fields, --task
+countdown, --answer-format think, --lora-rank, --track, --eval-only) are plumbing in common.py: the
+loop reads the same with them. Departures from the paper: the learning rate (1e-5, as its 1e-6
+barely moves a 135M model in 30 steps), G = 8 and 4 questions per step by default, and the KL and
+ratio taken between temperature-scaled distributions (softmax(logits / T)). Where the paper leaves a
+choice open: process supervision makes each completion's final answer one more step, carrying the
+outcome reward, and the iterative reward model is trained by MSE regression on the verifiable
+reward.
 
-Several GPUs (as nanoGPT's train.py): the same file runs under `torchrun --nproc_per_node K grpo_lm.py ...`.
---prompts-per-step stays the global number of questions; each process samples and trains on its share
-of whole groups (group statistics unchanged), every loss is normalised by counts of the global batch and
-gradients are summed over processes once per update, so K processes take the same step as one process
-with the same batch. Only rank 0 logs, evaluates and writes checkpoints.
+Several GPUs (as nanoGPT's train.py): the same file runs under `torchrun --nproc_per_node K
+grpo_lm.py ...`. --prompts-per-step stays the global number of questions; each process samples and
+trains on its share of whole groups (group statistics unchanged), every loss is normalised by counts
+of the global batch and gradients are summed over processes once per update, so K processes take the
+same step as one process with the same batch. Only rank 0 logs, evaluates and writes checkpoints.
 
 Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
         torchrun --nproc_per_node 8 grpo_lm.py --prompts-per-step 64 --group-size 16
@@ -55,7 +60,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
 import pydantic
@@ -74,32 +79,43 @@ from common import UsageError, check
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
     model_name_or_path: str = common.DEFAULT_MODEL
-    """policy to train: a local directory or Hub id of a causal LM (default: offline SmolLM2-135M-Instruct)"""
+    """policy to train: a local directory or Hub id of a causal LM (default: offline
+    SmolLM2-135M-Instruct)"""
     reward_model_path: str | None = None
-    """sequence-classification reward model, read as its own forward pass pools (the last non-pad token) (default: the task's verifiable reward); frozen unless --train-reward-model"""
+    """sequence-classification reward model, read as its own forward pass pools (the last non-pad
+    token) (default: the task's verifiable reward); frozen unless --train-reward-model"""
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute (a + b) * c - d")
-    or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)"""
+    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep'
+    ("Compute (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as
+    TinyZero)"""
     dataset: str | None = None
-    """JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer); overrides --task"""
+    """JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer);
+    overrides --task"""
     prompt_field: str = "question"
     """--dataset: the field that holds the question"""
     answer_field: str = "answer"
     """--dataset: the field that holds the answer"""
-    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(default_factory=list)
-    """your own reward, path/to/file.py:function with function(completion, example) -> float, repeatable; the spec
-    'task' is the task's own reward; the weighted sum is the reward (default: the task's)"""
+    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
+        default_factory=list
+    )
+    """your own reward, path/to/file.py:function with function(completion, example) -> float,
+    repeatable; the spec 'task' is the task's own reward; the weighted sum is the reward (default:
+    the task's)"""
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     """weights of the --reward-fn functions, in order (default: 1 each)"""
     format_reward: float = 0.0
-    """reward for the expected format (0 = off): a completion that ends with a number, Countdown's <answer> block, or
-    with --answer-format think the whole <think> ... </think> <answer> ... </answer> shape"""
+    """reward for the expected format (0 = off): a completion that ends with a number, Countdown's
+    <answer> block, or with --answer-format think the whole <think> ... </think> <answer> ...
+    </answer> shape"""
     answer_format: Literal["plain", "think"] = "plain"
-    """'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy read the answer block"""
+    """'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and
+    accuracy read the answer block"""
     system_prompt: str | None = None
-    """system message before every question (default: none; with --answer-format think, instructions for that format)"""
+    """system message before every question (default: none; with --answer-format think, instructions
+    for that format)"""
     response_prefix: str = ""
-    """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards see it too"""
+    """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
+    see it too"""
     total_steps: Annotated[int, Ge(1)] = 30
     """number of exploration stages (sample a batch, then --mu policy updates)"""
     prompts_per_step: Annotated[int, Ge(1)] = 4
@@ -128,18 +144,21 @@ class Args:
     """AdamW weight decay"""
     adv_eps: Annotated[float, Gt(0)] = 1e-4
     """added to the group std: a group with equal rewards gets advantage 0, never NaN"""
-    # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4, Algorithm 1) ---
+    # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4, Algorithm
+    # 1) ---
     supervision: Literal["outcome", "process"] = "outcome"
-    """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked equations, §4.1.3,
-    the final answer one more step with the outcome reward)"""
+    """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked
+    equations, §4.1.3, the final answer one more step with the outcome reward)"""
     iterations: Annotated[int, Ge(1)] = 1
-    """Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference <- policy"""
+    """Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference
+    <- policy"""
     train_reward_model: bool = False
-    """score with a reward model and train it after every iteration; without --reward-model-path it starts from the
-    policy backbone with a new head, and iteration 1 is scored by the verifiable reward until its first training"""
+    """score with a reward model and train it after every iteration; without --reward-model-path it
+    starts from the policy backbone with a new head, and iteration 1 is scored by the verifiable
+    reward until its first training"""
     rm_replay_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """share of each reward-model training set replayed from earlier iterations' samples (0.1: the paper's "10% of
-    historical data" read as 10% of the training set, drawn without replacement)"""
+    """share of each reward-model training set replayed from earlier iterations' samples (0.1: the
+    paper's "10% of historical data" read as 10% of the training set, drawn without replacement)"""
     rm_learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     """AdamW learning rate of the reward model (its weight decay is --weight-decay)"""
     rm_epochs: Annotated[int, Ge(1)] = 1
@@ -148,7 +167,8 @@ class Args:
     """fraction of each iteration's samples held out to measure the reward model's accuracy"""
     # --- later variants (all default to the paper's GRPO): Dr. GRPO, DAPO, GSPO ---
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
-    """'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B * max len)), 'dapo' (token mean over the batch)"""
+    """'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B *
+    max len)), 'dapo' (token mean over the batch)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)"""
     clip_range_high: Annotated[float, Gt(0)] | None = None
@@ -156,20 +176,25 @@ class Args:
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)"""
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more questions until the batch is full"""
+    """DAPO: drop groups whose rewards are all equal and sample more questions until the batch is
+    full"""
     max_sampling_rounds: Annotated[int, Ge(1)] = 4
-    """with --dynamic-sampling: sampling rounds per step at most; then the batch is topped up with dropped groups"""
+    """with --dynamic-sampling: sampling rounds per step at most; then the batch is topped up with
+    dropped groups"""
     overlong_buffer: Annotated[int, Ge(0)] = 0
-    """DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 = off)"""
+    """DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 =
+    off)"""
     mask_truncated_completions: bool = False
     """completions that never emitted EOS take no part in the loss (DAPO overlong filtering)"""
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
     lora_rank: Annotated[int, Ge(0)] = 0
-    """rank R of the LoRA adapters (0 = full fine-tuning); the reference is then the policy with its adapter disabled"""
+    """rank R of the LoRA adapters (0 = full fine-tuning); the reference is then the policy with its
+    adapter disabled"""
     lora_alpha: Annotated[float, Gt(0)] | None = None
     """LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and MLP projections)"""
+    """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
+    MLP projections)"""
     # --- run: experiment, logging, evaluation, checkpoints ---
     exp_name: str = "grpo_lm"
     """name of this experiment (part of the run name)"""
@@ -190,15 +215,18 @@ class Args:
     save_every: Annotated[int, Ge(0)] = 10
     """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
-    """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
-    flags, same results); the model, group size, reward model, --eval-size and run directory cannot change"""
+    """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
+    them (same flags, same results); the model, group size, reward model, --eval-size and run
+    directory cannot change"""
     torch_threads: Annotated[int, Ge(0)] = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
-    """no training: the greedy held-out accuracy of the --resume checkpoint, or of --model-name-or-path (e.g. a run's
-    final_model/), printed and written as JSON into the run directory"""
+    """no training: the greedy held-out accuracy of the --resume checkpoint, or of
+    --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run
+    directory"""
     track: bool = False
-    """also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)"""
+    """also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on
+    disk)"""
     wandb_project_name: str = "minimal-ppo-grpo"
     """the wandb project of --track"""
     wandb_entity: str | None = None
@@ -209,37 +237,52 @@ class Args:
     micro_batch_size: Annotated[int, Ge(1)] = 8
     """sequences per forward/backward pass; gradients are accumulated over the whole batch"""
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    """groups per generate call (0 = all of a process's groups); samples depend only on --seed, the step and the calls' groups"""
+    """groups per generate call (0 = all of a process's groups); samples depend only on --seed, the
+    step and the calls' groups"""
     bf16: bool = True
-    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax stay float32); no-op on CPU"""
+    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
+    stay float32); no-op on CPU"""
     gradient_checkpointing: bool = False
-    """recompute the policy's activations in the backward pass (HF gradient checkpointing): less memory, ~30% slower"""
+    """recompute the policy's activations in the backward pass (HF gradient checkpointing): less
+    memory, ~30% slower"""
     share_prompt: bool = True
-    """log probs: each group's prompt through the model once, its keys/values shared by the G completions (off: whole sequences)"""
+    """log probs: each group's prompt through the model once, its keys/values shared by the G
+    completions (off: whole sequences)"""
     fast_generation: bool = False
-    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
+    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache,
+    which transformers compiles on CUDA"""
     tis_cap: Annotated[float, Ge(0)] = 0.0
-    """truncated importance sampling: with a sampler other than the trained module (--fast-generation, bf16 on
-    CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
+    """truncated importance sampling: with a sampler other than the trained module
+    (--fast-generation, bf16 on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C)
+    (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
 @dataclass
 class Batch:
-    """Steps 1-2 of a step, this process's share: N = B * G completions o_i (the G of a question contiguous)
-    of prompts of at most P tokens, T tokens at most each, and their rewards (set by :func:`reward`)."""
+    """Steps 1-2 of a step, this process's share: N = B * G completions o_i (the G of a question
+    contiguous) of prompts of at most P tokens, T tokens at most each, and their rewards (set by
+    :func:`reward`)."""
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
     completion_ids: torch.Tensor  # (N, T) the sampled tokens, padding after the first EOS
-    completion_mask: torch.Tensor  # (N, T) float, 1 for the tokens of o_i up to and including its first EOS
+    completion_mask: (
+        torch.Tensor
+    )  # (N, T) float, 1 for the tokens of o_i up to and including its first EOS
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
-    sampler_logp: torch.Tensor | None  # (N, T) log probs under the sampler when it is not the policy (TIS)
+    sampler_logp: (
+        torch.Tensor | None
+    )  # (N, T) log probs under the sampler when it is not the policy (TIS)
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
-    verifiable: torch.Tensor | None = None  # (N,) the task's reward (None when a frozen reward model scores)
+    verifiable: torch.Tensor | None = (
+        None  # (N,) the task's reward (None when a frozen reward model scores)
+    )
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
     truncated: torch.Tensor | None = None  # (N,) bool, no EOS within --max-new-tokens
-    reward_fns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
+    reward_fns: dict[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )  # --reward-fn: each one's (N,)
     scalars: dict[str, float] = dataclasses.field(default_factory=dict)  # what the extensions log
 
 
@@ -247,8 +290,9 @@ class Batch:
 # ALGO LOGIC: the pieces of DeepSeekMath §4.1, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask of the tokens of each completion up to and including its first EOS: the o_i,t that eq. 3 sums over
-    (|o_i| is its row sum), as the N+ details' "EOS trick" cuts a response after its first EOS.
+    """Mask of the tokens of each completion up to and including its first EOS: the o_i,t that eq. 3
+    sums over (|o_i| is its row sum), as the N+ details' "EOS trick" cuts a response after its first
+    EOS.
 
     Args:
         completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
@@ -260,7 +304,9 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group"
+) -> torch.Tensor:
     """Outcome-supervision advantages (DeepSeekMath §4.1.2): ``(r_i - mean(r)) / (std(r) + eps)``.
 
     Mean and (unbiased) std are taken over the G outputs of the same question. A group whose
@@ -274,10 +320,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     Returns:
         (B * G,) advantage of every completion, shared by all its tokens.
     Raises:
-        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown ``scale``.
+        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown
+        ``scale``.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}"
+        )
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     grouped = rewards.view(-1, group_size)
@@ -289,60 +338,73 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     return ((grouped - mean) / (std + eps)).view(-1)
 
 
-def token_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
-                    completion_ids: torch.Tensor, completion_att: torch.Tensor, temperature: float,
-                    share_prompt: bool = True, with_entropy: bool = False):
-    """Log probs of every completion token under ``model`` at ``temperature`` (and the entropy there).
+class MicroBatch(NamedTuple):
+    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (a group's G share
+    one)."""
+
+    prompt_ids: torch.Tensor  # (U, P) the distinct prompts, left-padded
+    prompt_mask: torch.Tensor  # (U, P) 1 for real prompt tokens
+    prompt_index: torch.Tensor  # (b,) long: the row of prompt_ids each completion continues
+    completion_ids: torch.Tensor  # (b, T) the completions
+    completion_mask: torch.Tensor  # (b, T) long, 1 up to and including the first EOS
+
+
+def token_log_probs(
+    model, mb: MicroBatch, temperature: float, share_prompt=True, with_entropy=False
+):
+    """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
+    ``model`` (with ``with_entropy`` also the detached (b, T) entropy of that distribution, for
+    logging).
 
     With ``share_prompt`` each distinct prompt goes through the model once and its keys and values
-    are reused by every sequence that continues it (a group's G completions): the same numbers as a
-    pass over each whole sequence, to float rounding, for 1/G of the prompt's compute. Gradients
-    flow through the shared keys and values. ``share_prompt=False`` runs each whole sequence (needed
-    under gradient checkpointing, which drops the cache). Logits exist only for completion
-    positions, (B, T, V) at most; position ids count real tokens only, as in generation. The LM head
-    and the log-softmax run in float32 also under bf16 autocast (:func:`float32_lm_head`).
-
-    Args:
-        prompt_ids, prompt_mask: (U, P) distinct left-padded prompts, mask 1 for real tokens.
-        prompt_index: (B,) long, the row of ``prompt_ids`` each sequence continues.
-        completion_ids, completion_att: (B, T) completions and their attention mask (1 up to the EOS).
-    Returns:
-        (B, T) float32 ``log softmax(logits / temperature)`` gathered at the completion tokens; ``with_entropy``:
-        also the (B, T) entropy of ``softmax(logits / temperature)`` (detached, for logging).
+    (with their gradients) serve every completion that continues it: the numbers of a pass over
+    each whole sequence, to float rounding, for 1/G of the prompt's compute (off under gradient
+    checkpointing, which drops the cache). Position ids count real tokens only, as in generation;
+    logits exist for completion positions only; the LM head and the log-softmax run in float32
+    also under bf16 autocast (:func:`float32_lm_head`).
     """
-    P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    attention_mask = torch.cat([prompt_mask[prompt_index], completion_att], 1)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    P, T = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
+    mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
     with float32_lm_head(model):
         if share_prompt:
-            prompt_positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-            prefix = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions,
-                           logits_to_keep=1, use_cache=True)
-            logits = prefix.logits[prompt_index]  # (B, 1, V): the last prompt token predicts the first completion token
+            prompt = dict(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask)
+            prompt["position_ids"] = (mb.prompt_mask.cumsum(1) - 1).clamp(min=0)
+            prefix = model(**prompt, logits_to_keep=1, use_cache=True)
+            logits = prefix.logits[mb.prompt_index]  # (b, 1, V): the first completion token's
             if T > 1:
                 cache = prefix.past_key_values
-                cache.batch_select_indices(prompt_index)  # (U, ...) -> (B, ...) keys and values, differentiable
-                rest = model(input_ids=completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                             position_ids=position_ids[:, P:-1], past_key_values=cache, use_cache=True).logits
-                logits = torch.cat([logits, rest], 1)
+                cache.batch_select_indices(mb.prompt_index)  # (U, ...) -> (b, ...), differentiable
+                rest = dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1])
+                rest = model(
+                    input_ids=mb.completion_ids[:, :-1],
+                    **rest,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = torch.cat([logits, rest.logits], 1)
         else:
-            input_ids = torch.cat([prompt_ids[prompt_index], completion_ids], 1)
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # logits at t predict token t + 1
+            ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids], 1)
+            whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
+            logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[
+                :, :-1
+            ]  # t -> t + 1
     log_probs = (logits.float() / temperature).log_softmax(-1)
-    logp = torch.gather(log_probs, 2, completion_ids.unsqueeze(-1)).squeeze(-1)
+    logp = torch.gather(log_probs, 2, mb.completion_ids.unsqueeze(-1)).squeeze(-1)
     return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if with_entropy else logp
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref) (DeepSeekMath eq. 4; Schulman 2020, "Approximating KL").
+    """Per-token k3 estimator of KL(pi_theta || pi_ref) (DeepSeekMath eq. 4; Schulman 2020,
+    "Approximating KL").
 
-    ``pi_ref/pi - log(pi_ref/pi) - 1``, always >= 0 and 0 where the log probs agree. Both distributions
-    are the temperature-scaled ones, ``softmax(logits / T)``, as everywhere in this file. As a value it is
-    an unbiased estimate of KL(pi_theta || pi_ref) when the tokens are sampled from pi_theta; with
-    ``--mu > 1`` they come from pi_old, so after the first update it is that only approximately. As a loss
-    term (eq. 3) its gradient at each sampled token is that of KL(pi_ref || pi_theta)'s estimate
-    (d/dlogp = 1 - pi_ref/pi), not of KL(pi_theta || pi_ref): the paper's and TRL's choice, kept here.
+    ``pi_ref/pi - log(pi_ref/pi) - 1``, always >= 0 and 0 where the log probs agree. Both
+    distributions are the temperature-scaled ones, ``softmax(logits / T)``, as everywhere in this
+    file. As a value it is an unbiased estimate of KL(pi_theta || pi_ref) when the tokens are
+    sampled from pi_theta; with ``--mu > 1`` they come from pi_old, so after the first update it is
+    that only approximately. As a loss term (eq. 3) its gradient at each sampled token is that of
+    KL(pi_ref || pi_theta)'s estimate (d/dlogp = 1 - pi_ref/pi), not of KL(pi_theta || pi_ref): the
+    paper's and TRL's choice, kept here.
 
     Args:
         logp, ref_logp: (B, T) log probs of the sampled tokens under the policy and reference.
@@ -353,83 +415,108 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
-              mask: torch.Tensor, clip_range: float, beta: float, num_sequences: int, *, loss_type: str = "grpo",
-              clip_range_high: float | None = None, importance_sampling_level: str = "token",
-              num_tokens: float | None = None, max_completion_length: int | None = None,
-              sampler_logp: torch.Tensor | None = None, tis_cap: float = 0.0):
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+    beta: float,
+    num_sequences: int,
+    *,
+    loss_type: str = "grpo",
+    clip_range_high: float | None = None,
+    importance_sampling_level: str = "token",
+    num_tokens: float | None = None,
+    max_completion_length: int | None = None,
+    sampler_logp: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
+):
     """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
 
     Per token: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
-    ``eps_high = clip_range_high``, DAPO §3.1 "Clip-Higher", defaults to eps). ``ratio`` uses
-    ``old_logp``, the log probs stored before the first of the mu updates (with mu = 1 they equal
-    ``logp.detach()``). GSPO (arXiv 2507.18071, §4, ``s_i``), ``importance_sampling_level="sequence"``:
-    one ratio per completion, ``exp(mean_t(logp - old_logp))`` over its valid tokens. Truncated importance
-    sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training";
-    TRL's ``token_truncate``), when ``tis_cap > 0`` and the tokens were sampled by another module than the one
-    trained (a bf16 copy): each token's surrogate is weighted by ``min(pi_old / pi_sampler, tis_cap)``,
-    detached; the KL term is not. Masked positions never reach ``exp``: their log ratios are set to 0 first.
-    The per-token terms are then summed as :func:`aggregate` says.
+    ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, defaults to eps), summed as
+    :func:`aggregate` says. ``ratio = exp(logp - old_logp)``, old_logp stored before the first of
+    the mu updates (with mu = 1, ``logp.detach()``); GSPO (arXiv 2507.18071 §4), sequence level: one
+    ratio per completion, ``exp(mean_t(logp - old_logp))``. TIS (Yao et al. 2025; TRL's
+    ``token_truncate``), ``tis_cap > 0``: each token's surrogate (not its KL) is weighted by the
+    detached ``min(pi_old / pi_sampler, tis_cap)``. Masked positions never reach ``exp``.
 
     Args:
-        logp: (b, T) log probs under the policy being trained (with grad).
-        old_logp: (b, T) log probs under pi_old, the policy that sampled the batch.
-        ref_logp: (b, T) log probs under the reference model, or None when ``beta == 0``.
-        advantages: (b,) one advantage per sequence (outcome) or (b, T) one per token (process).
-        mask: (b, T) 1 for the tokens that take part in the loss (completion up to its first EOS).
+        logp, old_logp, ref_logp: (b, T) log probs under the policy (with grad), pi_old and the
+            reference (None with ``beta == 0``).
+        advantages: (b,) one per sequence (outcome) or (b, T) one per token (process).
+        mask: (b, T) 1 for the tokens in the loss; sampler_logp: (b, T) the sampler's log probs when
+            it is not the trained module (``stats`` then holds the gap), or None.
         num_sequences, loss_type, num_tokens, max_completion_length: see :func:`aggregate`.
-        sampler_logp: (b, T) log probs of the sampled tokens under the sampler itself, when it is not the
-            trained module; ``stats`` then also holds |old_logp - sampler_logp| over the valid tokens.
-        tis_cap: C of TIS, 0 = off.
     Returns:
-        (loss, stats): the scalar loss and a dict of detached per-token statistics.
+        (loss, stats): the scalar loss and detached per-token sums.
     Raises:
-        ValueError: unknown ``loss_type`` / ``importance_sampling_level``, or the count it needs is missing.
+        ValueError: unknown ``loss_type`` / ``importance_sampling_level``, or a count it needs.
     """
     valid = mask.bool()
     log_ratio = torch.where(valid, logp - old_logp, 0.0)
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)  # (b, 1), GSPO s_i
     elif importance_sampling_level != "token":
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', not {importance_sampling_level!r}")
+        raise ValueError(
+            "importance_sampling_level must be 'token' or 'sequence', not "
+            f"{importance_sampling_level!r}"
+        )
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     high = clip_range if clip_range_high is None else clip_range_high
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_range, 1 + high) * adv)
     if sampler_logp is not None and tis_cap > 0:  # TIS: pi_old / pi_sampler, truncated at C
-        surrogate = surrogate * torch.exp(torch.where(valid, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap)
-    kl = k3_kl(logp, torch.where(valid, ref_logp, logp.detach())) if ref_logp is not None else torch.zeros_like(logp)
-    per_token = surrogate - beta * kl if beta else surrogate  # KL in the loss, not in the reward (§4.1.1)
+        weight = torch.exp(torch.where(valid, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap)
+        surrogate = surrogate * weight
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        kl = k3_kl(logp, torch.where(valid, ref_logp, logp.detach()))
+    per_token = surrogate - beta * kl if beta else surrogate  # KL in the loss (§4.1.1)
     loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_completion_length)
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - clip_range))
         token_ratio = ratio.expand_as(logp)
-        stats = {
-            "kl": (kl * mask).sum(), "clipped": (clipped.float() * mask).sum(), "tokens": mask.sum(),
-            "ratio_min": token_ratio[valid].min() if valid.any() else ratio.new_tensor(1.0),
-            "ratio_max": token_ratio[valid].max() if valid.any() else ratio.new_tensor(1.0),
-        }
+        one = ratio.new_tensor(1.0)
+        stats = dict(
+            kl=(kl * mask).sum(), clipped=(clipped.float() * mask).sum(), tokens=mask.sum()
+        )
+        stats["ratio_min"] = token_ratio[valid].min() if valid.any() else one
+        stats["ratio_max"] = token_ratio[valid].max() if valid.any() else one
         if sampler_logp is not None:
             gap = (old_logp - sampler_logp).abs()[valid]
-            stats.update(sampler_gap_sum=gap.sum(), sampler_gap_max=gap.max() if valid.any() else gap.new_tensor(0.0))
+            stats["sampler_gap_sum"] = gap.sum()
+            stats["sampler_gap_max"] = gap.max() if valid.any() else gap.new_tensor(0.0)
     return loss, stats
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_sequences: int, loss_type: str = "grpo",
-              num_tokens: float | None = None, max_completion_length: int | None = None) -> torch.Tensor:
-    """The negated sum of a micro-batch's masked per-token terms of eq. 3, normalised so that the micro-batch
-    losses add up to the loss of the whole batch:
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    num_sequences: int,
+    loss_type: str = "grpo",
+    num_tokens: float | None = None,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
+    """The negated sum of a micro-batch's masked per-token terms of eq. 3, normalised so that the
+    micro-batch losses add up to the loss of the whole batch:
 
-    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences`` (eq. 3).
-    - ``bnpo``: token mean within this micro-batch, weighted by its share ``b / num_sequences`` of the
-      sequences; depends on micro-batching (micro-batches hold sequences of similar length) and
+    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``
+      (eq. 3).
+    - ``bnpo``: token mean within this micro-batch, weighted by its share ``b / num_sequences`` of
+      the sequences; depends on micro-batching (micro-batches hold sequences of similar length) and
       equals ``dapo`` when one micro-batch holds the whole batch.
-    - ``dr_grpo``: token sum / (``num_sequences * max_completion_length``) (Dr. GRPO, arXiv 2503.20783 §3.1: eq. 3 without 1/|o_i|).
-    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3, token-level loss).
+    - ``dr_grpo``: token sum / (``num_sequences * max_completion_length``) (Dr. GRPO, arXiv
+      2503.20783 §3.1: eq. 3 without 1/|o_i|).
+    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3,
+      token-level loss).
 
     Args:
-        per_token, mask: (b, T); num_sequences: B * G, sequences in the whole batch; num_tokens: ``mask`` summed
-            over the whole batch (``dapo``); max_completion_length: ``--max-new-tokens`` (``dr_grpo``).
+        per_token, mask: (b, T); num_sequences: B * G, sequences in the whole batch;
+            num_tokens: ``mask`` summed over the whole batch (``dapo``); max_completion_length:
+            ``--max-new-tokens`` (``dr_grpo``).
     Returns:
         the scalar loss.
     Raises:
@@ -447,7 +534,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_sequences: int, l
         return -(per_token * mask).sum() / (num_sequences * max_completion_length)
     if loss_type == "dapo":
         if num_tokens is None:
-            raise ValueError("loss_type 'dapo' needs num_tokens, the valid tokens of the whole batch")
+            raise ValueError(
+                "loss_type 'dapo' needs num_tokens, the valid tokens of the whole batch"
+            )
         return -(per_token * mask).sum() / max(float(num_tokens), 1.0)
     raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {loss_type!r}")
 
@@ -456,12 +545,13 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_sequences: int, l
 def float32_lm_head(model):
     """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
 
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every
-    log prob that enters the loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per
-    token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on the hidden states
-    cast to float32 with autocast off, so a LoRA adapter on the head (``--lora-target-modules lm_head``) acts
-    too; the head's weights are float32 (``common.load_model`` loads them so) and are neither copied nor cast.
-    Without autocast it is the head's usual forward, so the numbers do not change.
+    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor
+    under every log prob that enters the loss: on a policy a hair away from its reference, the k3 KL
+    read ~1.5e-3 per token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward
+    runs on the hidden states cast to float32 with autocast off, so a LoRA adapter on the head
+    (``--lora-target-modules lm_head``) acts too; the head's weights are float32
+    (``common.load_model`` loads them so) and are neither copied nor cast. Without autocast it is
+    the head's usual forward, so the numbers do not change.
     """
     head = model.get_output_embeddings()
     own_forward, patched = head.forward, "forward" in vars(head)
@@ -566,9 +656,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
             for idx, t, inputs in micro_batches:
                 if args.mu > 1:  # with mu = 1, pi_old = pi_theta: logp.detach() below
-                    old_logp[idx, :t] = token_log_probs(policy, *inputs, temperature, shared)
+                    old_logp[idx, :t] = token_log_probs(policy, inputs, temperature, shared)
                 if reference is not None:
-                    ref_logp[idx, :t] = token_log_probs(reference, *inputs, temperature, shared)
+                    ref_logp[idx, :t] = token_log_probs(reference, inputs, temperature, shared)
 
         # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
         # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
@@ -579,9 +669,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
             with common.train_mode((policy,), args.gradient_checkpointing):
                 for idx, t, inputs in micro_batches:
                     with common.bf16_autocast(device, args.bf16):
-                        logp, entropy = token_log_probs(
-                            policy, *inputs, temperature, shared, with_entropy=True
-                        )
+                        logp, entropy = token_log_probs(policy, inputs, temperature, shared, True)
                     old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
@@ -622,64 +710,88 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
 # Steps 1-2 of Algorithm 1: sample G outputs of each question from pi_old, and their rewards
 # ----------------------------------------------------------------------------------------------
 def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: int = 0) -> Batch:
-    """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and their rewards.
+    """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and
+    their rewards.
 
-    The questions are drawn from ``(--seed, step, round_)``; the completions come from ``softmax(logits / T)``
-    (within the top-p nucleus) through ``common.generate_completions``, in calls
-    of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global index of its first
-    group)``: samples depend on the seed, the step and the groups, not on how many processes share the batch.
+    The questions are drawn from ``(--seed, step, round_)``; the completions come from
+    ``softmax(logits / T)`` (within the top-p nucleus) through ``common.generate_completions``, in
+    calls of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global
+    index of its first group)``: samples depend on the seed, the step and the groups, not on how
+    many processes share the batch.
 
     Returns:
         the :class:`Batch`, its rewards set by :func:`reward`.
     """
     G, tokenizer = args.group_size, sampler.tokenizer
     B = args.prompts_per_step // sampler.world
-    first_group = sampler.rank * B
-    picks = np.random.default_rng([args.seed, step] + ([round_] if round_ else [])).choice(
-        len(sampler.questions), args.prompts_per_step, replace=False)[first_group: first_group + B]  # this process's share
-    examples = [sampler.questions[i] for i in picks for _ in range(G)]  # the G outputs of a question are contiguous
-    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))  # a group each
+    first_group = (
+        sampler.rank * B
+    )  # this process's share: groups first_group .. first_group + B - 1
+    rng = np.random.default_rng([args.seed, step] + ([round_] if round_ else []))
+    picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
+    # the G outputs of a question are contiguous
+    examples = [
+        sampler.questions[i] for i in picks[first_group : first_group + B] for _ in range(G)
+    ]
+    style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
+    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *style)
+    seeds = dict(seed_keys=(args.seed, step, round_), first=first_group)
     rows, row_logps = common.generate_completions(
-        sampler.model, prompts, G, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step, round_), first=first_group,
-        per_call=args.generation_groups_per_call, bf16=args.bf16 and not args.fast_generation,
-        static_cache=args.fast_generation, record=sampler.record)
-    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device)
+        sampler.model, prompts, G, tokenizer, device, **seeds, **sampler.options
+    )
+    prompt_ids, prompt_mask = common.pad_left(
+        [p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device
+    )
     T = max(len(r) for r in rows)
-    completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
+    completion_ids = torch.tensor(
+        [r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device
+    )
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
     sampler_logp = None
     if sampler.record and row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
-    batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples,
-                  tokenizer.batch_decode(completion_ids, skip_special_tokens=True), sampler_logp)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples, texts, sampler_logp)
     return reward(batch, sampler, args, device, step)
 
 
 def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """Step 2: the rewards of a batch's completions, from the task's reward function or the reward model.
+    """Step 2: the rewards of a batch's completions, from the task's reward function or the reward
+    model.
 
-    A reward model trained from the policy's backbone (--train-reward-model without --reward-model-path) scores
-    from iteration 2 on, once it has been trained; until then the verifiable reward scores (Algorithm 1).
+    A reward model trained from the policy's backbone (--train-reward-model without
+    --reward-model-path) scores from iteration 2 on, once it has been trained; until then the
+    verifiable reward scores (Algorithm 1).
 
     Returns:
-        ``batch`` with its ``rewards``, ``verifiable``, ``correct``, ``truncated`` and ``reward_fns`` set.
+        ``batch`` with its ``rewards``, ``verifiable``, ``correct``, ``truncated`` and
+        ``reward_fns`` set.
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
     examples, task = batch.examples, sampler.task
-    responses = [args.response_prefix + c for c in batch.completions]  # what the reward functions read
+    responses = [
+        args.response_prefix + c for c in batch.completions
+    ]  # what the reward functions read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
     scored_by_model = sampler.reward_model is not None and trained
     verifiable, each = None, {}
     if not scored_by_model or args.train_reward_model:
-        verifiable, each = tasks.score_task(task, responses, examples)  # --reward-fn: each function's own rewards
+        verifiable, each = tasks.score_task(
+            task, responses, examples
+        )  # --reward-fn: each function's own rewards
     if scored_by_model:
         input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
-        rewards = common.score_with_reward_model(sampler.reward_model, input_ids, attention_mask,
-                                                 args.micro_batch_size, device, args.bf16)
+        rewards = common.score_with_reward_model(
+            sampler.reward_model,
+            input_ids,
+            attention_mask,
+            args.micro_batch_size,
+            device,
+            args.bf16,
+        )
     else:
         rewards = verifiable
     eos = sampler.tokenizer.eos_token_id
@@ -695,6 +807,9 @@ class Sampler:
 
     model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
     record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
+    options: (
+        dict  # common.generate_completions' sampling options (temperature, top-p, lengths, ...)
+    )
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
     task: tasks.Task
@@ -703,27 +818,49 @@ class Sampler:
     world: int
 
 
-def make_sampler(policy, tokenizer, questions: list[dict], task: tasks.Task, reward_model, args: Args,
-                 rank: int, world: int) -> Sampler:
-    """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it, with a static KV
-    cache that transformers compiles on CUDA. Log probs for the loss always come
-    from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different distribution
-    than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it.
+def make_sampler(
+    policy,
+    tokenizer,
+    questions: list[dict],
+    task: tasks.Task,
+    reward_model,
+    args: Args,
+    rank: int,
+    world: int,
+) -> Sampler:
+    """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it,
+    with a static KV cache that transformers compiles on CUDA. Log probs for the loss always come
+    from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different
+    distribution than the ratio and the KL assume: the gap is logged every step
+    (sampling/logp_diff_*) and --tis-cap corrects it.
     """
     model = common.bf16_sampler(policy) if args.fast_generation else policy
     record = model is not policy or common.bf16_active(policy.device, args.bf16)
-    return Sampler(model, record, tokenizer, questions, task, reward_model, rank, world)
+    options = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        per_call=args.generation_groups_per_call,
+        record=record,
+        bf16=args.bf16 and not args.fast_generation,
+        static_cache=args.fast_generation,
+    )
+    return Sampler(model, record, options, tokenizer, questions, task, reward_model, rank, world)
 
 
 # ----------------------------------------------------------------------------------------------
-# DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model (§4.1.4)
+# DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model
+# (§4.1.4)
 # ----------------------------------------------------------------------------------------------
-def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device) -> torch.Tensor:
-    """Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as one more step
-    with the outcome reward, normalised over the G outputs of its question (:func:`process_advantages`).
+def process_supervision(
+    batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device
+) -> torch.Tensor:
+    """Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as
+    one more step with the outcome reward, normalised over the G outputs of its question
+    (:func:`process_advantages`).
 
     Args:
-        batch: the step's samples (steps 1-2): N completions of T tokens at most, their (N,) outcome rewards.
+        batch: the step's samples (steps 1-2): N completions of T tokens at most, (N,) rewards.
         step_reward_fn: ``(completion, example) -> [(end character offset, reward), ...]``.
     Returns:
         (N, T) advantages on ``device``; the logged ``process/*`` scalars (over every process) go to
@@ -734,29 +871,48 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args:
     completion_ids, lengths = batch.completion_ids, batch.completion_mask.sum(1)
     N, T = completion_ids.shape
     step_r, step_i, step_t = [], [], []
-    for i, (text, ex) in enumerate(zip(batch.completions, batch.examples)):
+    for i, (text, ex) in enumerate(zip(batch.completions, batch.examples, strict=True)):
         n_i = int(lengths[i])
         try:
             steps = [(int(end), float(reward)) for end, reward in step_reward_fn(text, ex)]
         except Exception as e:  # noqa: BLE001 - user code fails the same way as a reward function
-            raise UsageError(f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}") from None
-        ends = tasks.char_ends_to_token_indices(tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps])
+            raise UsageError(
+                f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}"
+            ) from None
+        ends = tasks.char_ends_to_token_indices(
+            tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps]
+        )
         step_r += [reward for _, reward in steps] + [batch.rewards[i].item()]
         step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
         step_i += [i] * (len(steps) + 1)
-    batch_std = torch.tensor(common.all_gather_objects(step_r)).std() if args.scale_rewards == "batch" else None
-    advantages = process_advantages(torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t), N, T,
-                                    args.group_size, args.adv_eps, args.scale_rewards, batch_std).to(device)
-    checked, step_sum = common.all_reduce(torch.tensor([len(step_r) - N, sum(step_r) - batch.rewards.sum().item()],
-                                                       dtype=torch.float64)).tolist()  # steps other than final answers
-    batch.scalars.update({"process/steps_per_completion": checked / (args.prompts_per_step * args.group_size),
-                             "process/step_reward_mean": step_sum / max(checked, 1)})
-    return advantages
+    batch_std = None
+    if args.scale_rewards == "batch":
+        batch_std = torch.tensor(common.all_gather_objects(step_r)).std()
+    steps = (torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t))
+    advantages = process_advantages(
+        *steps, N, T, args.group_size, args.adv_eps, args.scale_rewards, batch_std
+    )
+    # the steps other than the final answers, summed over every process
+    checked = [len(step_r) - N, sum(step_r) - batch.rewards.sum().item()]
+    checked, step_sum = common.all_reduce(torch.tensor(checked, dtype=torch.float64)).tolist()
+    batch.scalars["process/steps_per_completion"] = checked / (
+        args.prompts_per_step * args.group_size
+    )
+    batch.scalars["process/step_reward_mean"] = step_sum / max(checked, 1)
+    return advantages.to(device)
 
 
-def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_end: torch.Tensor, num_sequences: int,
-                       num_tokens: int, group_size: int, eps: float = 1e-4, scale: str = "group",
-                       batch_std: float | None = None) -> torch.Tensor:
+def process_advantages(
+    step_rewards: torch.Tensor,
+    step_seq: torch.Tensor,
+    step_end: torch.Tensor,
+    num_sequences: int,
+    num_tokens: int,
+    group_size: int,
+    eps: float = 1e-4,
+    scale: str = "group",
+    batch_std: float | None = None,
+) -> torch.Tensor:
     """Process-supervision advantages (DeepSeekMath §4.1.3), one per token.
 
     The rewards of all steps of the G outputs of a question are normalised together,
@@ -771,17 +927,20 @@ def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_
         step_seq: (S,) long, the completion i (0..B*G-1) each step belongs to.
         step_end: (S,) long, the index t of the step's last token in its completion.
         num_sequences: B * G; num_tokens: T, the width of the returned tensor.
-        batch_std: with ``scale="batch"``, the std of the step rewards of the whole batch when it spans
-            several processes (default: ``step_rewards.std()``).
+        batch_std: with ``scale="batch"``, the std of the step rewards of the whole batch when it
+            spans several processes (default: ``step_rewards.std()``).
     Returns:
         (B * G, T) advantages; tokens after the last step (padding) get 0.
     Raises:
-        ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``/group size.
+        ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``/group
+        size.
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     if num_sequences % group_size or torch.bincount(step_seq, minlength=num_sequences).min() < 1:
-        raise ValueError("every completion needs at least one step (its final answer), in groups of group_size")
+        raise ValueError(
+            "every completion needs at least one step (its final answer), in groups of group_size"
+        )
     if step_end.min() < 0 or step_end.max() >= num_tokens:
         raise ValueError(f"step ends must lie in [0, {num_tokens})")
     group = step_seq // group_size
@@ -793,18 +952,25 @@ def process_advantages(step_rewards: torch.Tensor, step_seq: torch.Tensor, step_
     if scale == "batch":
         normalised = normalised / ((step_rewards.std() if batch_std is None else batch_std) + eps)
     at_end = torch.zeros(num_sequences, num_tokens, dtype=step_rewards.dtype)
-    at_end.index_put_((step_seq, step_end), normalised, accumulate=True)  # r~_j placed at the step's last token
+    at_end.index_put_(
+        (step_seq, step_end), normalised, accumulate=True
+    )  # r~_j placed at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
 
 
 def make_reward_model(args: Args, tokenizer, device):
     """The reward model r_phi, or None for the task's verifiable reward.
 
-    --reward-model-path: a trained sequence-classification model, frozen unless --train-reward-model; with
-    --train-reward-model alone, the policy's backbone with a new score head (Algorithm 1, §4.1.4).
+    --reward-model-path: a trained sequence-classification model, frozen unless
+    --train-reward-model; with --train-reward-model alone, the policy's backbone with a new score
+    head (Algorithm 1, §4.1.4).
     """
     if args.reward_model_path:
-        model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval().requires_grad_(False)
+        model = (
+            common.load_reward_model(args.reward_model_path, tokenizer, device)
+            .eval()
+            .requires_grad_(False)
+        )
         return model.requires_grad_(True) if args.train_reward_model else model
     if args.train_reward_model:
         model = common.load_model(args.model_name_or_path, kind="reward", device=device).eval()
@@ -814,25 +980,42 @@ def make_reward_model(args: Args, tokenizer, device):
 
 
 class RewardModelTraining:
-    """Algorithm 1, line 12 (§4.1.4): the reward model r_phi is trained continually, by MSE regression of its score
-    on the verifiable reward, on each iteration's samples with a replay of earlier iterations' samples
-    (--rm-replay-ratio of each training set), after the iteration's last step.
+    """Algorithm 1, line 12 (§4.1.4): the reward model r_phi is trained continually, by MSE
+    regression of its score on the verifiable reward, on each iteration's samples with a replay of
+    earlier iterations' samples (--rm-replay-ratio of each training set), after the iteration's last
+    step.
 
-    ``add(batch)`` keeps a step's samples, gathered from every process so that each trains the same model;
-    ``train(step, checkpoint)`` trains and returns the logged ``reward_model/*`` scalars.
+    ``add(batch)`` keeps a step's samples, gathered from every process so that each trains the same
+    model; ``train(step, checkpoint)`` trains and returns the logged ``reward_model/*`` scalars.
     """
 
     def __init__(self, model, tokenizer, args: Args, device):
         self.model, self.tokenizer, self.args, self.device = model, tokenizer, args, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.rm_learning_rate, weight_decay=args.weight_decay)
-        self.new: list[dict] = []  # this iteration's samples: {"ids": prompt + completion, "label": verifiable reward}
-        self.replay: list[dict] = []  # every earlier iteration's training samples, for the replay mix
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.rm_learning_rate, weight_decay=args.weight_decay
+        )
+        self.new: list[
+            dict
+        ] = []  # this iteration's samples: {"ids": prompt + completion, "label": verifiable reward}
+        self.replay: list[
+            dict
+        ] = []  # every earlier iteration's training samples, for the replay mix
 
     def add(self, batch: Batch) -> None:
-        prompts = [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
-        completions = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)]
-        self.new += common.all_gather_objects([{"ids": p + c, "label": label.item()}
-                                               for p, c, label in zip(prompts, completions, batch.verifiable)])
+        prompts = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)
+        ]
+        completions = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
+        ]
+        self.new += common.all_gather_objects(
+            [
+                {"ids": p + c, "label": label.item()}
+                for p, c, label in zip(prompts, completions, batch.verifiable, strict=True)
+            ]
+        )
 
     def train(self, step: int, checkpoint: Path) -> dict:
         args, pad, mb = self.args, self.tokenizer.pad_token_id, self.args.micro_batch_size
@@ -841,32 +1024,50 @@ class RewardModelTraining:
         n_eval = int(len(shuffled) * args.rm_eval_fraction)
         held_out, fresh = shuffled[:n_eval], shuffled[n_eval:]
         data = replay_mix(fresh, self.replay, args.rm_replay_ratio, rng)
-        before = reward_model_accuracy(self.model, held_out, pad, mb, self.device) if held_out else None
+        before = (
+            reward_model_accuracy(self.model, held_out, pad, mb, self.device) if held_out else None
+        )
         for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
             order = rng.permutation(len(data))
             for i in range(0, len(data), mb):
-                chunk = [data[j] for j in order[i: i + mb]]
+                chunk = [data[j] for j in order[i : i + mb]]
                 ids, att = common.pad_left([c["ids"] for c in chunk], pad, self.device)
                 with common.bf16_autocast(self.device, args.bf16):
                     scores = common.reward_model_scores(self.model, ids, att)
-                loss = F.mse_loss(scores, torch.tensor([c["label"] for c in chunk], device=self.device))
-                common.check_finite_update(f"step {step + 1}", "--rm-learning-rate", checkpoint, reward_model_loss=loss)
+                loss = F.mse_loss(
+                    scores, torch.tensor([c["label"] for c in chunk], device=self.device)
+                )
+                common.check_finite_update(
+                    f"step {step + 1}", "--rm-learning-rate", checkpoint, reward_model_loss=loss
+                )
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
         self.replay += fresh
         self.new = []
-        scalars = {"reward_model/train_mse": loss.item(), "reward_model/train_size": len(data),
-                   "reward_model/replay_fraction": 1 - len(fresh) / len(data)}
+        scalars = {
+            "reward_model/train_mse": loss.item(),
+            "reward_model/train_size": len(data),
+            "reward_model/replay_fraction": 1 - len(fresh) / len(data),
+        }
         if held_out:
             after = reward_model_accuracy(self.model, held_out, pad, mb, self.device)
-            scalars.update({"reward_model/heldout_accuracy_before": before[0], "reward_model/heldout_accuracy": after[0],
-                            "reward_model/heldout_mse": after[1]})
+            scalars.update(
+                {
+                    "reward_model/heldout_accuracy_before": before[0],
+                    "reward_model/heldout_accuracy": after[0],
+                    "reward_model/heldout_mse": after[1],
+                }
+            )
         return scalars
 
     def state(self) -> dict:
-        return {"reward_model": self.model.state_dict(), "rm_optimizer": self.optimizer.state_dict(),
-                "rm_new": self.new, "rm_replay": self.replay}
+        return {
+            "reward_model": self.model.state_dict(),
+            "rm_optimizer": self.optimizer.state_dict(),
+            "rm_new": self.new,
+            "rm_replay": self.replay,
+        }
 
     def load(self, checkpoint: dict) -> None:
         self.model.load_state_dict(checkpoint["reward_model"])
@@ -891,26 +1092,38 @@ def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator)
     return list(new) + [history[i] for i in rng.choice(len(history), k, replace=False)]
 
 
-def reward_model_accuracy(reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device) -> tuple[float, float]:
+def reward_model_accuracy(
+    reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device
+) -> tuple[float, float]:
     """(accuracy, MSE) of the reward model on labelled samples; accurate = |score - label| < 0.5."""
     with torch.no_grad():
-        scores = torch.cat([common.reward_model_scores(reward_model, *common.pad_left([s["ids"] for s in samples[i: i + batch_size]],
-                                                                               pad_token_id, device)).cpu()
-                            for i in range(0, len(samples), batch_size)])
+        scores = torch.cat(
+            [
+                common.reward_model_scores(
+                    reward_model,
+                    *common.pad_left(
+                        [s["ids"] for s in samples[i : i + batch_size]], pad_token_id, device
+                    ),
+                ).cpu()
+                for i in range(0, len(samples), batch_size)
+            ]
+        )
     labels = torch.tensor([s["label"] for s in samples])
     return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(scores, labels).item()
 
 
 # ----------------------------------------------------------------------------------------------
 # Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping.
-# Dr. GRPO, clip-higher, GSPO and TIS are options of group_advantages and grpo_loss above (variant_options).
+# Dr. GRPO, clip-higher, GSPO and TIS are options of group_advantages and grpo_loss above
+# (variant_options).
 # ----------------------------------------------------------------------------------------------
 def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep only the groups whose rewards differ, and sample new
-    questions (rounds 1, 2, ...) until --prompts-per-step such groups are found or --max-sampling-rounds is
-    reached; then top up the batch with dropped groups (equal rewards, so advantage 0 unless --overlong-buffer's
-    length penalty, added afterwards, separates them; they still carry the KL term), so every batch has N
-    sequences. Under torchrun each process fills its own B groups (the chosen groups depend on the world size).
+    """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep only the groups whose rewards differ,
+    and sample new questions (rounds 1, 2, ...) until --prompts-per-step such groups are found or
+    --max-sampling-rounds is reached; then top up the batch with dropped groups (equal rewards, so
+    advantage 0 unless --overlong-buffer's length penalty, added afterwards, separates them; they
+    still carry the KL term), so every batch has N sequences. Under torchrun each process fills its
+    own B groups (the chosen groups depend on the world size).
 
     Args:
         batch: round 0's samples (steps 1-2).
@@ -933,13 +1146,17 @@ def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: i
         chosen += varied(r)
     dropped = [(r, g) for r in range(len(rounds)) for g in range(B) if (r, g) not in chosen]
     merged = merge_groups(rounds, (chosen + dropped)[:B], G, sampler.tokenizer.pad_token_id)
-    merged.scalars = {"sampling/rounds": common.all_reduce(torch.tensor(len(rounds)), "max").item(),
-                         "sampling/frac_groups_varied": common.all_reduce(torch.tensor(min(len(chosen), B))).item()
-                         / args.prompts_per_step}
+    merged.scalars = {
+        "sampling/rounds": common.all_reduce(torch.tensor(len(rounds)), "max").item(),
+        "sampling/frac_groups_varied": common.all_reduce(torch.tensor(min(len(chosen), B))).item()
+        / args.prompts_per_step,
+    }
     return merged
 
 
-def merge_groups(batches: list[Batch], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int) -> Batch:
+def merge_groups(
+    batches: list[Batch], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int
+) -> Batch:
     """One batch made of the groups ``chosen`` = [(batch index, group index), ...], re-padded.
 
     Prompts stay left-padded and completions right-padded, to the widest of the chosen rows.
@@ -954,21 +1171,34 @@ def merge_groups(batches: list[Batch], chosen: list[tuple[int, int]], group_size
         parts = [getattr(b, key)[r] for b, r in rows]
         if width is None:
             return torch.cat(parts)
-        return torch.cat([F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
-                          for x in parts])
+        return torch.cat(
+            [
+                F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+                for x in parts
+            ]
+        )
 
-    merged = Batch(cat("prompt_ids", P, pad_token_id, True), cat("prompt_mask", P, 0, True),
-                   cat("completion_ids", T, pad_token_id), cat("completion_mask", T),
-                   [x for b, r in rows for x in b.examples[r]], [x for b, r in rows for x in b.completions[r]],
-                   cat("sampler_logp", T, 0.0))
+    merged = Batch(
+        cat("prompt_ids", P, pad_token_id, True),
+        cat("prompt_mask", P, 0, True),
+        cat("completion_ids", T, pad_token_id),
+        cat("completion_mask", T),
+        [x for b, r in rows for x in b.examples[r]],
+        [x for b, r in rows for x in b.completions[r]],
+        cat("sampler_logp", T, 0.0),
+    )
     merged.rewards, merged.verifiable, merged.correct, merged.truncated = (
-        cat(key) for key in ("rewards", "verifiable", "correct", "truncated"))
-    merged.reward_fns = {name: torch.cat([b.reward_fns[name][r] for b, r in rows]) for name in rows[0][0].reward_fns}
+        cat(key) for key in ("rewards", "verifiable", "correct", "truncated")
+    )
+    merged.reward_fns = {
+        name: torch.cat([b.reward_fns[name][r] for b, r in rows]) for name in rows[0][0].reward_fns
+    }
     return merged
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
-    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4 "Overlong Reward Shaping"), added to the reward.
+    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4 "Overlong Reward Shaping"), added to
+    the reward.
 
     ``0`` for ``|o| <= L_max - L_cache``; ``((L_max - L_cache) - |o|) / L_cache`` inside the last
     ``L_cache`` tokens, reaching ``-1`` at ``L_max`` (a completion cannot be longer here).
@@ -986,51 +1216,77 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
 
 def completions_in_the_loss(batch: Batch, mask_truncated: bool) -> torch.Tensor:
     """(N, T) mask of the tokens that take part in the loss: each completion up to its EOS; with
-    --mask-truncated-completions (DAPO §3.4, overlong filtering) none of a completion that never emitted EOS."""
-    return batch.completion_mask * (~batch.truncated).float().unsqueeze(1) if mask_truncated else batch.completion_mask
+    --mask-truncated-completions (DAPO §3.4, overlong filtering) none of a completion that never
+    emitted EOS."""
+    return (
+        batch.completion_mask * (~batch.truncated).float().unsqueeze(1)
+        if mask_truncated
+        else batch.completion_mask
+    )
 
 
 def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
-    """The later variants' options of :func:`grpo_loss` for this batch: Dr. GRPO and DAPO's loss aggregation
-    (--loss-type), DAPO's clip-higher (§3.1, --clip-range-high), GSPO's sequence-level ratio
-    (--importance-sampling-level) and truncated importance sampling (--tis-cap). All off is the paper's eq. 3.
+    """The later variants' options of :func:`grpo_loss` for this batch: Dr. GRPO and DAPO's loss
+    aggregation (--loss-type), DAPO's clip-higher (§3.1, --clip-range-high), GSPO's sequence-level
+    ratio (--importance-sampling-level) and truncated importance sampling (--tis-cap). All off is
+    the paper's eq. 3.
 
-    ``num_tokens`` (DAPO's token-level mean, §3.3) counts the tokens of the global batch (torchrun), so that summing
-    the processes' gradients gives the 1-process gradient.
+    ``num_tokens`` (DAPO's token-level mean, §3.3) counts the tokens of the global batch (torchrun),
+    so that summing the processes' gradients gives the 1-process gradient.
     """
-    return {"loss_type": args.loss_type, "clip_range_high": args.clip_range_high,
-            "importance_sampling_level": args.importance_sampling_level, "tis_cap": args.tis_cap,
-            "num_tokens": common.all_reduce(loss_mask.sum()).item(), "max_completion_length": args.max_new_tokens}
+    return {
+        "loss_type": args.loss_type,
+        "clip_range_high": args.clip_range_high,
+        "importance_sampling_level": args.importance_sampling_level,
+        "tis_cap": args.tis_cap,
+        "num_tokens": common.all_reduce(loss_mask.sum()).item(),
+        "max_completion_length": args.max_new_tokens,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
 def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
-    """Micro-batches of ``size`` sequences for steps 4-5: groups of similar completion length together (whole
-    groups when ``size`` is a multiple of G; a group's prompt goes through the model once per micro-batch that
-    holds its completions, see :func:`token_log_probs`), each trimmed to its own longest prompt and completion.
-    The loss is a sum over sequences, so the order only saves compute (except for --loss-type bnpo, whose token
-    mean is taken per micro-batch).
+    """Micro-batches of ``size`` sequences for steps 4-5: groups of similar completion length
+    together (whole groups when ``size`` is a multiple of G; a group's prompt goes through the model
+    once per micro-batch that holds its completions, see :func:`token_log_probs`), each trimmed to
+    its own longest prompt and completion. The loss is a sum over sequences, so the order only saves
+    compute (except for --loss-type bnpo, whose token mean is taken per micro-batch).
 
     Returns:
-        [(idx, t, (prompt_ids, prompt_mask, prompt_index, completion_ids, completion_att))]: the micro-batch's rows
-        of the batch, its length t, and :func:`token_log_probs`'s inputs.
+        [(idx, t, :class:`MicroBatch`)]: the micro-batch's rows of the batch, its length t, and
+        :func:`token_log_probs`'s inputs.
     """
     mask, completion_ids = batch.completion_mask, batch.completion_ids
     lengths = mask.sum(1)
     N = len(lengths)
     lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
-    order = torch.tensor(sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])), device=device)
+    order = torch.tensor(
+        sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])), device=device
+    )
     micro_batches = []
     for i in range(0, N, size):
-        idx = order[i: i + size]
-        groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # the groups' prompts, once each
+        idx = order[i : i + size]
+        groups, prompt_index = torch.unique(
+            idx // G, return_inverse=True
+        )  # the groups' prompts, once each
         prompt_ids, prompt_mask = batch.prompt_ids[groups * G], batch.prompt_mask[groups * G]
         first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
         t = int(lengths[idx].max())
-        micro_batches.append((idx, t, (prompt_ids[:, first:], prompt_mask[:, first:], prompt_index,
-                                       completion_ids[idx, :t], mask[idx, :t].long())))
+        micro_batches.append(
+            (
+                idx,
+                t,
+                MicroBatch(
+                    prompt_ids[:, first:],
+                    prompt_mask[:, first:],
+                    prompt_index,
+                    completion_ids[idx, :t],
+                    mask[idx, :t].long(),
+                ),
+            )
+        )
     return micro_batches
 
 
@@ -1039,51 +1295,82 @@ def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
 # ----------------------------------------------------------------------------------------------
 def sample_lines(batch: Batch, G: int) -> list[str]:
     """The first completion of each group with its reward, for the printed and logged samples."""
-    return [f"[reward {batch.rewards[j]:.2f}] {batch.examples[j]['question']!r} -> {batch.completions[j]!r}"
-            for j in range(0, len(batch.rewards), G)]
+    return [
+        f"[reward {batch.rewards[j]:.2f}] {batch.examples[j]['question']!r} -> "
+        f"{batch.completions[j]!r}"
+        for j in range(0, len(batch.rewards), G)
+    ]
 
 
 SCRIPT = "grpo_lm.py"  # written into checkpoints: --resume refuses another script's
 FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA)
     "model_name_or_path": "the checkpoint holds this model's weights",
     "group_size": "the advantages of a run compare groups of this size",
-    "reward_model_path": "the run's rewards (and a trained reward model's weights) come from this model",
+    "reward_model_path": "the run's rewards (and a trained reward model's weights) are its",
     "train_reward_model": "the checkpoint holds the reward model's training state, or none",
     "lora_rank": "the checkpoint holds adapters of this rank (or the full model)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
 }
-HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests looking at
+HINT = (
+    "--learning-rate, --max-grad-norm, --beta and the reward"  # to check after a non-finite update
+)
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: each flag's own constraint (beside
-    it in ``Args``) and the rules both LM scripts share (:func:`common.check_lm_flags`), then GRPO's rules.
+    """One-line errors for flag values that cannot work, before anything loads: each flag's own
+    constraint (beside it in ``Args``) and the rules both LM scripts share
+    (:func:`common.check_lm_flags`), then GRPO's rules.
 
     Raises:
         UsageError: naming the flag and what it expects.
     """
     common.check_lm_flags(args)
-    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, args.prompt_field,
-                           args.answer_field, args.system_prompt, args.response_prefix)
+    tasks.check_task_flags(
+        args.format_reward,
+        args.reward_fn,
+        args.reward_weights,
+        args.prompt_field,
+        args.answer_field,
+        args.system_prompt,
+        args.response_prefix,
+    )
     world = common.world_size()
-    check(args.total_steps % args.iterations == 0,
-          f"--iterations {args.iterations} must divide --total-steps {args.total_steps}")
-    check(args.overlong_buffer < args.max_new_tokens, "--overlong-buffer must be in [0, --max-new-tokens)")
-    check(not args.train_reward_model or args.reward_model_path is not None or args.iterations >= 2,
-          "--train-reward-model without --reward-model-path needs --iterations >= 2: its reward model starts with an "
-          "untrained head, scores from iteration 2 on, and is first trained at the end of iteration 1")
-    check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-          f"world size {world} (the number of torchrun processes): every process samples whole groups")
-    check(not args.lora_rank or args.iterations == 1, "--lora-rank with --iterations > 1: the reference is the policy "
-          "with its adapter disabled, which cannot be reset to the policy at each iteration; use full fine-tuning")
+    check(
+        args.total_steps % args.iterations == 0,
+        f"--iterations {args.iterations} must divide --total-steps {args.total_steps}",
+    )
+    check(
+        args.overlong_buffer < args.max_new_tokens,
+        "--overlong-buffer must be in [0, --max-new-tokens)",
+    )
+    check(
+        not args.train_reward_model or args.reward_model_path is not None or args.iterations >= 2,
+        "--train-reward-model without --reward-model-path needs --iterations >= 2: its reward "
+        "model starts with an "
+        "untrained head, scores from iteration 2 on, and is first trained at the end of iteration "
+        "1",
+    )
+    check(
+        args.prompts_per_step % world == 0,
+        f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+        f"world size {world} (the number of torchrun processes): every process samples whole "
+        "groups",
+    )
+    check(
+        not args.lora_rank or args.iterations == 1,
+        "--lora-rank with --iterations > 1: the reference is the policy "
+        "with its adapter disabled, which cannot be reset to the policy at each iteration; use "
+        "full fine-tuning",
+    )
 
 
 def make_task(args: Args) -> tasks.Task:
     """The task the flags name (:func:`tasks.make_task`), with enough training questions for a step.
 
     Raises:
-        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held out.
+        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held
+        out.
     """
     task = tasks.make_task(
         args.task,
@@ -1113,12 +1400,14 @@ def prompts_that_fit(task: tasks.Task, tokenizer, args: Args) -> list[dict]:
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
-    this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train, no NaN or inf and
-    the same iteration length; None without --resume.
+    """The --resume checkpoint (memory-mapped), checked before anything loads by
+    :func:`common.resume_checkpoint`: this script's, with the flags that cannot change unchanged
+    (``FROZEN``), steps left to train, no NaN or inf and the same iteration length; None without
+    --resume.
 
     Raises:
-        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, a run
+        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot
+        change, a run
             that already reached --total-steps, or another iteration length.
     """
     checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)
@@ -1128,9 +1417,9 @@ def resume_checkpoint(args: Args) -> dict | None:
 
 
 def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, rm_training) -> int:
-    """Load a checkpoint's weights and optimizer states; returns the step it was written at (0 without one). The
-    flags given now set the optimizers' hyperparameters (--learning-rate, --weight-decay, --rm-learning-rate take
-    effect on resume).
+    """Load a checkpoint's weights and optimizer states; returns the step it was written at (0
+    without one). The flags given now set the optimizers' hyperparameters (--learning-rate,
+    --weight-decay, --rm-learning-rate take effect on resume).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
@@ -1145,8 +1434,10 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
         if rm_training is not None and checkpoint.get("reward_model") is not None:
             rm_training.load(checkpoint)
     except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                         f"({type(e).__name__}: {common.first_line(e)[:200]})") from None
+        raise UsageError(
+            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
+            f"({type(e).__name__}: {common.first_line(e)[:200]})"
+        ) from None
     for group in optimizer.param_groups:
         group.update(lr=args.learning_rate, weight_decay=args.weight_decay)
     return checkpoint["step"]
@@ -1161,20 +1452,38 @@ def check_iteration_length(checkpoint: dict, args: Args) -> None:
     saved = checkpoint["args"]
     length = checkpoint.get("steps_per_iteration", saved["total_steps"] // saved["iterations"])
     if saved["iterations"] > 1 or args.iterations > 1:
-        check(args.total_steps // args.iterations == length and args.total_steps % args.iterations == 0,
-              f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} ({saved['total_steps']} "
-              f"steps / {saved['iterations']} iterations); resume with the same iteration length, e.g. --total-steps "
-              f"{max(args.total_steps // length, 1) * length} --iterations {max(args.total_steps // length, 1)}")
+        check(
+            args.total_steps // args.iterations == length
+            and args.total_steps % args.iterations == 0,
+            f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} "
+            f"({saved['total_steps']} "
+            f"steps / {saved['iterations']} iterations); resume with the same iteration length, "
+            "e.g. --total-steps "
+            f"{max(args.total_steps // length, 1) * length} --iterations "
+            f"{max(args.total_steps // length, 1)}",
+        )
 
 
 def new_totals() -> dict:
-    """Sums and extremes of a step's per-micro-batch loss statistics, filled by :func:`accumulate`."""
-    return {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "clipped": 0.0, "tokens": 0.0, "ratio_min": math.inf, "ratio_max": -math.inf,
-            "sampler_gap_sum": 0.0, "sampler_gap_max": 0.0, "sampler_tokens": 0.0}
+    """Sums and extremes of a step's per-micro-batch loss statistics, filled by
+    :func:`accumulate`."""
+    return {
+        "loss": 0.0,
+        "entropy": 0.0,
+        "kl": 0.0,
+        "clipped": 0.0,
+        "tokens": 0.0,
+        "ratio_min": math.inf,
+        "ratio_max": -math.inf,
+        "sampler_gap_sum": 0.0,
+        "sampler_gap_max": 0.0,
+        "sampler_tokens": 0.0,
+    }
 
 
 def accumulate(totals: dict, loss: torch.Tensor, stats: dict, entropy: torch.Tensor) -> None:
-    """Add one micro-batch's loss, :func:`grpo_loss` statistics and (b, T) masked token entropies to ``totals``."""
+    """Add one micro-batch's loss, :func:`grpo_loss` statistics and (b, T) masked token entropies to
+    ``totals``."""
     totals["loss"] += loss.item()
     totals["entropy"] += entropy.sum().item()
     for key in ("kl", "clipped", "tokens"):
@@ -1187,65 +1496,105 @@ def accumulate(totals: dict, loss: torch.Tensor, stats: dict, entropy: torch.Ten
         totals["sampler_tokens"] += stats["tokens"].item()
 
 
-def step_metrics(args: Args, batch: Batch, rewards: torch.Tensor, totals: dict, grad_norm: torch.Tensor, optimizer,
-                 t0: float, gen_time: float) -> dict:
-    """A step's logged scalars: means over the global batch (sums and per-sequence values gathered from every
-    process), and what the extensions put in ``batch.scalars``. ``loss/policy`` is the minimised -J of eq. 3,
-    the KL term included; ``sampling/logp_diff_*`` is |log pi_old - log pi_sampler| over the tokens in the loss,
-    logged when the sampler is not the trained module; ``time/generation_s`` covers steps 1-2 and
-    ``time/training_s`` the rest of the step up to here (advantages, log probs, updates, reward-model training)."""
+def step_metrics(
+    args: Args,
+    batch: Batch,
+    rewards: torch.Tensor,
+    totals: dict,
+    grad_norm: torch.Tensor,
+    optimizer,
+    t0: float,
+    gen_time: float,
+) -> dict:
+    """A step's logged scalars, over the global batch (sums and per-sequence values gathered from
+    every process), and what the extensions put in ``batch.scalars``: ``loss/policy`` is the
+    minimised -J of eq. 3, KL term included; ``time/generation_s`` covers steps 1-2,
+    ``time/training_s`` the rest of the step up to here."""
     G = args.group_size
-    sums = common.all_reduce(torch.tensor([totals["loss"], totals["kl"], totals["clipped"], totals["tokens"]]))
+    sums = common.all_reduce(
+        torch.tensor([totals["loss"], totals["kl"], totals["clipped"], totals["tokens"]])
+    )
     loss_sum, kl_sum, clipped_sum, tokens_sum = sums.tolist()
-    lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in (batch.completion_mask.sum(1), batch.correct,
-                                                                               batch.truncated))
+    lengths, correct, truncated = (
+        common.all_gather(x.float().cpu())
+        for x in (batch.completion_mask.sum(1), batch.correct, batch.truncated)
+    )
     scalars = {
-        "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item(),
         "reward/accuracy": correct.mean().item(),
         "reward/frac_zero_std_groups": (rewards.view(-1, G).std(1) == 0).float().mean().item(),
-        "loss/policy": loss_sum / args.mu, "loss/kl": kl_sum / max(tokens_sum, 1),
-        "loss/clip_fraction": clipped_sum / max(tokens_sum, 1), "loss/tokens": tokens_sum / args.mu,
-        "loss/entropy": common.all_reduce(torch.tensor(totals["entropy"])).item() / max(tokens_sum, 1),
+        "loss/policy": loss_sum / args.mu,
+        "loss/kl": kl_sum / max(tokens_sum, 1),
+        "loss/clip_fraction": clipped_sum / max(tokens_sum, 1),
+        "loss/tokens": tokens_sum / args.mu,
+        "loss/entropy": common.all_reduce(torch.tensor(totals["entropy"])).item()
+        / max(tokens_sum, 1),
         "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
         "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
-        "completion/length_mean": lengths.mean().item(), "completion/frac_truncated": truncated.mean().item(),
-        "optim/grad_norm": grad_norm.item(), "optim/learning_rate": optimizer.param_groups[0]["lr"],
-        "time/generation_s": gen_time, "time/training_s": time.time() - t0 - gen_time,
+        "completion/length_mean": lengths.mean().item(),
+        "completion/frac_truncated": truncated.mean().item(),
+        "optim/grad_norm": grad_norm.item(),
+        "optim/learning_rate": optimizer.param_groups[0]["lr"],
+        "time/generation_s": gen_time,
+        "time/training_s": time.time() - t0 - gen_time,
         "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
         **common.peak_memory_gb(grad_norm.device),
     }
     scalars.update(batch.scalars)
     scalars.update(common.reward_fn_means(batch.reward_fns))  # --reward-fn
-    if batch.sampler_logp is not None:
-        gap_sum, gap_tokens = common.all_reduce(torch.tensor([totals["sampler_gap_sum"], totals["sampler_tokens"]])).tolist()
-        scalars.update({"sampling/logp_diff_mean": gap_sum / max(gap_tokens, 1),
-                        "sampling/logp_diff_max": common.all_reduce(torch.tensor(totals["sampler_gap_max"]), "max").item()})
+    if batch.sampler_logp is not None:  # |log pi_old - log pi_sampler| over the loss's tokens
+        gap = torch.tensor([totals["sampler_gap_sum"], totals["sampler_tokens"]])
+        gap_sum, gap_tokens = common.all_reduce(gap).tolist()
+        scalars["sampling/logp_diff_mean"] = gap_sum / max(gap_tokens, 1)
+        gap_max = common.all_reduce(torch.tensor(totals["sampler_gap_max"]), "max")
+        scalars["sampling/logp_diff_max"] = gap_max.item()
     if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
         scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()
     return scalars
 
 
-def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, optimizer, reference, rm_training) -> None:
-    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue exactly (the
-    reference when --iterations > 1 resets it, else it is --model-name-or-path's, loaded again on resume; the
-    reward model with its samples included; the iteration index
-    ``step // steps_per_iteration`` is stored for readers)."""
-    if not (log.is_main and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)):
+def save_checkpoint(
+    log: common.RunLog, step: int, args: Args, policy, optimizer, reference, rm_training
+) -> None:
+    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
+    exactly (the reference when --iterations > 1 resets it, else it is --model-name-or-path's,
+    loaded again on resume; the reward model with its samples included; the iteration index ``step
+    // steps_per_iteration`` is stored for readers)."""
+    if not (
+        log.is_main
+        and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)
+    ):
         return
     steps_per_iteration = args.total_steps // args.iterations
-    rm_state = rm_training.state() if rm_training is not None else \
-        {"reward_model": None, "rm_optimizer": None, "rm_new": [], "rm_replay": []}
-    common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "optimizer": optimizer.state_dict(),
-                        "step": step, "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
-                        "digests": common.input_digests(args.dataset, args.reward_fn),
-                        "reference": reference.state_dict() if isinstance(reference, torch.nn.Module) and args.iterations > 1
-                        else None,
-                        "iteration": step // steps_per_iteration, "steps_per_iteration": steps_per_iteration,
-                        **rm_state}, log.checkpoint)
+    rm_state = (
+        rm_training.state()
+        if rm_training is not None
+        else {"reward_model": None, "rm_optimizer": None, "rm_new": [], "rm_replay": []}
+    )
+    common.atomic_save(
+        {
+            "script": SCRIPT,
+            "policy": common.trained_weights(policy),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "args": dataclasses.asdict(args),
+            "rng": common.get_rng_state(),
+            "digests": common.input_digests(args.dataset, args.reward_fn),
+            "reference": reference.state_dict()
+            if isinstance(reference, torch.nn.Module) and args.iterations > 1
+            else None,
+            "iteration": step // steps_per_iteration,
+            "steps_per_iteration": steps_per_iteration,
+            **rm_state,
+        },
+        log.checkpoint,
+    )
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """The command line (``python grpo_lm.py --help``): bad input ends in one ``error: ...`` line and exit code 2."""
+    """The command line (``python grpo_lm.py --help``): bad input ends in one ``error: ...`` line
+    and exit code 2."""
     common.run_cli(lambda: main(common.parse_args(Args, argv, SCRIPT)))
 
 

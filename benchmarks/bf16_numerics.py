@@ -51,7 +51,7 @@ def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
     if mode == "bf16_head":
         return forward_log_probs(model, batch, temperature, autocast=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "fp32_head"):
-        return grpo_lm.token_log_probs(model, *batch, temperature, False)
+        return grpo_lm.token_log_probs(model, grpo_lm.MicroBatch(*batch), temperature, False)
 
 
 def forward_log_probs(model, batch, temperature: float, autocast: bool = False) -> torch.Tensor:

@@ -352,7 +352,7 @@ def run_loss(a: argparse.Namespace) -> None:
     # pi_theta, so ratios straddle the clip range and KL > 0 (both 0 on padding).
     ours_model = common.load_model(model_dir).train()
     with torch.no_grad():
-        logp0 = grpo_lm.token_log_probs(ours_model, *ours_inputs, a.temperature)
+        logp0 = grpo_lm.token_log_probs(ours_model, grpo_lm.MicroBatch(*ours_inputs), a.temperature)
     old_logp = (logp0 + a.noise * torch.randn(N, T, generator=gen)) * mask
     ref_logp = (logp0 + 0.5 * a.noise * torch.randn(N, T, generator=gen)) * mask
     advantages = adv_trl.clone()  # TRL's own group advantages from step 1
@@ -371,7 +371,7 @@ def run_loss(a: argparse.Namespace) -> None:
         """grpo_lm.token_log_probs + grpo_lm.grpo_loss (keyword arguments); returns (loss, stats,
         grads)."""
         ours_model.zero_grad(set_to_none=True)
-        logp = grpo_lm.token_log_probs(ours_model, *ours_inputs, a.temperature)
+        logp = grpo_lm.token_log_probs(ours_model, grpo_lm.MicroBatch(*ours_inputs), a.temperature)
         if (
             kl_times_ratio
         ):  # TRL's use_bias_correction_kl=True written out on our side (grpo, token level)

@@ -124,21 +124,21 @@ def test_token_log_probs_ignore_left_padding(tiny_model_dir):
         for share in (True, False):
             batched = grpo_lm.token_log_probs(
                 model,
-                prompts["input_ids"],
-                prompts["attention_mask"],
-                first,
-                completions,
-                att,
+                grpo_lm.MicroBatch(
+                    prompts["input_ids"], prompts["attention_mask"], first, completions, att
+                ),
                 0.7,
                 share,
             )
             single = grpo_lm.token_log_probs(
                 model,
-                alone["input_ids"][:, :-2],
-                alone["attention_mask"][:, :-2],
-                first[:1],
-                completions[1:],
-                att[1:],
+                grpo_lm.MicroBatch(
+                    alone["input_ids"][:, :-2],
+                    alone["attention_mask"][:, :-2],
+                    first[:1],
+                    completions[1:],
+                    att[1:],
+                ),
                 0.7,
                 share,
             )
@@ -193,11 +193,9 @@ def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
         with common.bf16_autocast(torch.device(device), bf16):
             logp = grpo_lm.token_log_probs(
                 model,
-                prompts["input_ids"],
-                prompts["attention_mask"],
-                prompt_index,
-                completions,
-                att,
+                grpo_lm.MicroBatch(
+                    prompts["input_ids"], prompts["attention_mask"], prompt_index, completions, att
+                ),
                 0.7,
                 share,
             )
@@ -488,7 +486,7 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
     )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         logp = grpo_lm.token_log_probs(
-            model, prompt_ids, prompt_mask, index, completions, att, 0.7, share
+            model, grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att), 0.7, share
         )
         bf16 = model.lm_head(heads[-1][0])  # what the head would give under autocast on its own
     hook.remove()
@@ -700,7 +698,11 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
     prompt_ids, prompt_mask, index, completions, att = _batch(tok)
     with torch.no_grad():
         logp, entropy = grpo_lm.token_log_probs(
-            model, prompt_ids, prompt_mask, index, completions, att, 0.7, True, with_entropy=True
+            model,
+            grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att),
+            0.7,
+            True,
+            with_entropy=True,
         )
         inputs = torch.cat([prompt_ids[index], completions], 1)
         mask = torch.cat([prompt_mask[index], att], 1)
@@ -711,7 +713,9 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
     torch.testing.assert_close(entropy, -(p * p.log()).sum(-1), atol=1e-5, rtol=1e-5)
     assert torch.equal(
         logp,
-        grpo_lm.token_log_probs(model, prompt_ids, prompt_mask, index, completions, att, 0.7, True),
+        grpo_lm.token_log_probs(
+            model, grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att), 0.7, True
+        ),
     )
     history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1), task=digit_task())
     assert (

@@ -215,7 +215,11 @@ def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_mode
         direct = direct.gather(2, ids[:, 3:, None]).squeeze(-1)
         if script == "grpo":
             logp = grpo_lm.token_log_probs(
-                policy, ids[:, :3], att[:, :3], torch.tensor([0]), ids[:, 3:], att[:, 3:], 1.0
+                policy,
+                grpo_lm.MicroBatch(
+                    ids[:, :3], att[:, :3], torch.tensor([0]), ids[:, 3:], att[:, 3:]
+                ),
+                1.0,
             )
         else:
             logp = ppo_lm.token_log_probs(policy, ids, att, 3, 1.0)

@@ -61,11 +61,13 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
         )
         learner = grpo_lm.token_log_probs(
             model,
-            prompts["input_ids"],
-            prompts["attention_mask"],
-            torch.arange(2).repeat_interleave(4),
-            completions,
-            mask.long(),
+            grpo_lm.MicroBatch(
+                prompts["input_ids"],
+                prompts["attention_mask"],
+                torch.arange(2).repeat_interleave(4),
+                completions,
+                mask.long(),
+            ),
             0.7,
         )
     assert mask.sum() > 16
