@@ -1406,9 +1406,8 @@ def resume_checkpoint(args: Args) -> dict | None:
     --resume.
 
     Raises:
-        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot
-        change, a run
-            that already reached --total-steps, or another iteration length.
+        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that
+            cannot change, a run that already reached --total-steps, or another iteration length.
     """
     checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)
     if checkpoint is not None:

@@ -1,74 +1,85 @@
 """Proximal Policy Optimization (PPO) for language models (RLHF), in one file.
 
 Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031),
-the checklist this file follows (its departures are listed below), and DeepSeekMath (Shao et al. 2024,
-arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that GRPO (grpo_lm.py) simplifies. Four models:
-the policy pi_theta (trained), a frozen reference pi_ref (the initial policy), a reward (a frozen reward
-model that scores as its own forward pass pools, or the task's verifiable reward) and a value model V_phi (trained).
+the checklist this file follows (its departures are listed below), and DeepSeekMath (Shao et al.
+2024, arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that GRPO (grpo_lm.py) simplifies.
+Four models: the policy pi_theta (trained), a frozen reference pi_ref (the initial policy), a reward
+(a frozen reward model that scores as its own forward pass pools, or the task's verifiable reward)
+and a value model V_phi (trained).
 
-  r_t      = score * [t = last token] - beta * KL_t,   KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)  (eq. 2; k1)
-  delta_t  = r_t + gamma * V(s_t+1) - V(s_t),   A_t = sum_l (gamma * lam)^l delta_t+l    (GAE, Schulman 2016 eq. 16)
-  R_t      = A_t + V(s_t)                                                            (value target)
-  J(theta) = E[ 1/|o| sum_t min(ratio_t * A_t, clip(ratio_t, 1-eps, 1+eps) * A_t) ]     (eq. 1; PPO eq. 7)
+  r_t      = score * [t = last token] - beta * KL_t,   KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)
+                                                                                    (eq. 2; k1)
+  delta_t  = r_t + gamma * V(s_t+1) - V(s_t),   A_t = sum_l (gamma * lam)^l delta_t+l
+                                                                  (GAE, Schulman 2016 eq. 16)
+  R_t      = A_t + V(s_t)                                                        (value target)
+  J(theta) = E[ 1/|o| sum_t min(ratio_t * A_t, clip(ratio_t, 1-eps, 1+eps) * A_t) ]
+                                                                           (eq. 1; PPO eq. 7)
   L(phi)   = E[ 1/|o| sum_t 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old,t +- eps_v) - R_t)^2) ]
-  loss     = -J(theta) + vf_coef * L(phi),  run for --num-ppo-epochs x --num-minibatches updates per batch
+  loss     = -J(theta) + vf_coef * L(phi),  run for --num-ppo-epochs x --num-minibatches updates
+             per batch
 
 Where each step lives (read from the top down to the end of main(); the rest is fenced below it):
-  ALGO LOGIC  completion_mask (the EOS trick), token_log_probs, token_values, per_token_rewards (eq. 2),
-              masked_whiten, gae (GAE), ppo_loss (eq. 1 and the clipped value loss), adaptive_kl_coef,
-              float32_lm_head (numerics)
-  main()      input: the policy, the reference (its frozen copy; none with beta = 0), the reward (a reward model
-              or the task's verifiable reward) and the value model; then per step: 1. rollout: one completion
-              per prompt from pi_old, 2. its score, 3. pi_old and pi_ref log probs and V_old,
-              4. per-token rewards r_t, 5. GAE advantages A_t (whitened) and value targets R_t,
-              6. --num-ppo-epochs x --num-minibatches updates of the loss, 7. the next step's beta
-  below it    rollout() and score() (steps 1-2) and load_value_model(); then, fenced, each extension (off by
-              default; one line in the loop, tagged with its source): the adaptive KL controller (Ziegler et al.
-              2019, --adaptive-kl-target); scale-out and speed: the bf16 sampler (--fast-generation, --tis-cap),
-              micro-batches, gradient checkpointing, torchrun; last, the run plumbing (validation, resume,
-              metrics, logging, checkpoints)
+  ALGO LOGIC  completion_mask (the EOS trick), token_log_probs, token_values, per_token_rewards (eq.
+              2), masked_whiten, gae (GAE), ppo_loss (eq. 1 and the clipped value loss),
+              adaptive_kl_coef, float32_lm_head (numerics)
+  main()      input: the policy, the reference (its frozen copy; none with beta = 0), the reward (a
+              reward model or the task's verifiable reward) and the value model; then per step: 1.
+              rollout: one completion per prompt from pi_old, 2. its score, 3. pi_old and pi_ref log
+              probs and V_old, 4. per-token rewards r_t, 5. GAE advantages A_t (whitened) and value
+              targets R_t, 6. --num-ppo-epochs x --num-minibatches updates of the loss, 7. the next
+              step's beta
+  below it    rollout() and score() (steps 1-2) and load_value_model(); then, fenced, each extension
+              (off by default; one line in the loop, tagged with its source): the adaptive KL
+              controller (Ziegler et al. 2019, --adaptive-kl-target); scale-out and speed: the bf16
+              sampler (--fast-generation, --tis-cap), micro-batches, gradient checkpointing,
+              torchrun; last, the run plumbing (validation, resume, metrics, logging, checkpoints)
 
-Apart from the value model's clipped loss, the policy loss differs from grpo_lm.py's in two places only:
-where the advantage comes from (GAE on a learned value instead of the group-normalised reward) and where
-the KL goes (into the reward, per token, instead of into the loss).
+Apart from the value model's clipped loss, the policy loss differs from grpo_lm.py's in two places
+only: where the advantage comes from (GAE on a learned value instead of the group-normalised reward)
+and where the KL goes (into the reward, per token, instead of into the loss).
 
 KL_t is the k1 estimator, and only k1 is offered: as a per-token reward its expected score-function
-gradient is that of KL(pi || pi_ref), so PPO maximises E[score] - beta * KL(pi || pi_ref), whose optimum
-is pi* proportional to pi_ref * exp(score / beta). grpo_lm.py's k3 (DeepSeekMath eq. 4) as a reward would
-follow grad KL(pi || pi_ref) - grad KL(pi_ref || pi) instead: on a bandit it drives pi to the best arm
-faster than no penalty at all (tests/test_ppo_lm.py).
+gradient is that of KL(pi || pi_ref), so PPO maximises E[score] - beta * KL(pi || pi_ref), whose
+optimum is pi* proportional to pi_ref * exp(score / beta). grpo_lm.py's k3 (DeepSeekMath eq. 4) as a
+reward would follow grad KL(pi || pi_ref) - grad KL(pi_ref || pi) instead: on a bandit it drives pi
+to the best arm faster than no penalty at all (tests/test_ppo_lm.py).
 
-Where this file departs from the N+ details' checklist and from the code that follows it (the N+ code,
-github.com/vwxyzjn/summarize_from_feedback_details ppo.py, and TRL's PPOTrainer, trl/experimental/ppo):
+Where this file departs from the N+ details' checklist and from the code that follows it (the N+
+code, github.com/vwxyzjn/summarize_from_feedback_details ppo.py, and TRL's PPOTrainer,
+trl/experimental/ppo):
 - Loss averaging: each sequence's policy and value losses are averaged over its own |o| tokens, then
-  over sequences (DeepSeekMath eq. 1, as grpo_lm.py does). The N+ code and TRL take one mean over all
-  valid tokens of a micro-batch, so there a long completion weighs more than a short one.
+  over sequences (DeepSeekMath eq. 1, as grpo_lm.py does). The N+ code and TRL take one mean over
+  all valid tokens of a micro-batch, so there a long completion weighs more than a short one.
 - Score position: the score is added to the reward of the EOS token (the last valid token; the last
   sampled token when there is no EOS). The N+ code and TRL add it one position later, at
-  sequence_length + 1, the first padding slot after the EOS, whose policy loss is masked but whose value
-  is kept and trained (padding_mask_p1); with GAE their EOS token's advantage then holds
-  gamma * lam * score + gamma * (1 - lam) * V(that slot) where ours holds the score. A completion that
+  sequence_length + 1, the first padding slot after the EOS, whose policy loss is masked but whose
+  value is kept and trained (padding_mask_p1); with GAE their EOS token's advantage then holds gamma
+  * lam * score + gamma * (1 - lam) * V(that slot) where ours holds the score. A completion that
   fills the whole response length gets the score on its last token in both.
-- No learning-rate schedule: the rate stays constant. The N+ code anneals it linearly to 0 over the run
-  (lrnow = frac * lr); TRL steps the transformers Trainer's scheduler once per batch (linear by default).
+- No learning-rate schedule: the rate stays constant. The N+ code anneals it linearly to 0 over the
+  run (lrnow = frac * lr); TRL steps the transformers Trainer's scheduler once per batch (linear by
+  default).
 - Gradient clipping per model: the policy's and the value model's gradient norms are each clipped at
-  --max-grad-norm. The N+ code and TRL train policy and value as one module (PolicyAndValueWrapper) under
-  one optimizer, and their PPO loops clip no gradient.
-- AdamW weight decay defaults to 0 (--weight-decay), as in TRL; the N+ code's AdamW keeps torch's 0.01.
-- Padding token: the tokenizer's own, or its EOS when it has none; pad == EOS, as for SmolLM2, is allowed.
-  The N+ code adds a distinct [PAD] token. Here the completion mask cuts at the first EOS, so padding never
-  enters a loss, and a reward model is read where its own forward pass pools (the last token that is not the
-  pad token: the one before the EOS when pad == EOS).
+  --max-grad-norm. The N+ code and TRL train policy and value as one module (PolicyAndValueWrapper)
+  under one optimizer, and their PPO loops clip no gradient.
+- AdamW weight decay defaults to 0 (--weight-decay), as in TRL; the N+ code's AdamW keeps torch's
+  0.01.
+- Padding token: the tokenizer's own, or its EOS when it has none; pad == EOS, as for SmolLM2, is
+  allowed. The N+ code adds a distinct [PAD] token. Here the completion mask cuts at the first EOS,
+  so padding never enters a loss, and a reward model is read where its own forward pass pools (the
+  last token that is not the pad token: the one before the EOS when pad == EOS).
 - --missing-eos-penalty P subtracts P >= 0 from the score of a completion without EOS, as TRL's
-  PPOConfig.missing_eos_penalty does; the N+ code replaces that score with -1 (penalty_reward_value).
+  PPOConfig.missing_eos_penalty does; the N+ code replaces that score with -1
+  (penalty_reward_value).
 - The adaptive KL controller's flags are --adaptive-kl-target / --adaptive-kl-horizon (target and
-  horizon in Ziegler et al.'s code), not --target-kl, which in ppo_continuous.py and CleanRL stops an
-  update's epochs early.
+  horizon in Ziegler et al.'s code), not --target-kl, which in ppo_continuous.py and CleanRL stops
+  an update's epochs early.
 
-Several GPUs (as nanoGPT's train.py): `torchrun --nproc_per_node K ppo_lm.py ...` runs the same file;
---prompts-per-step stays global, each process samples and trains on its share, whitening and the adaptive
-KL controller use statistics of the global batch, losses are normalised by global counts and the policy
-and value gradients are summed over processes once per update. Only rank 0 logs, evaluates and saves.
+Several GPUs (as nanoGPT's train.py): `torchrun --nproc_per_node K ppo_lm.py ...` runs the same
+file; --prompts-per-step stays global, each process samples and trains on its share, whitening and
+the adaptive KL controller use statistics of the global batch, losses are normalised by global
+counts and the policy and value gradients are summed over processes once per update. Only rank 0
+logs, evaluates and saves.
 
 Usage:  python ppo_lm.py          (see --help for every flag)
         torchrun --nproc_per_node 8 ppo_lm.py --prompts-per-step 256
@@ -98,42 +109,57 @@ from common import UsageError, check
 @dataclass
 @pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
-    # --- the N+ details' RLHF-PPO: models, task and score, sampling, per-token rewards, GAE, PPO updates ---
+    # --- the N+ details' RLHF-PPO: models, task and score, sampling, per-token rewards, GAE, PPO
+    # updates ---
     model_name_or_path: str = common.DEFAULT_MODEL
-    """policy to train: a local directory or Hub id of a causal LM (default: offline SmolLM2-135M-Instruct)"""
+    """policy to train: a local directory or Hub id of a causal LM (default: offline
+    SmolLM2-135M-Instruct)"""
     reward_model_path: str | None = None
-    """frozen sequence-classification reward model with the policy's tokenizer, read as its own forward pass pools (default:
-    the task's verifiable reward); the value model starts from it when given, else from the policy with a zero head"""
+    """frozen sequence-classification reward model with the policy's tokenizer, read as its own
+    forward pass pools (default: the task's verifiable reward); the value model starts from it when
+    given, else from the policy with a zero head"""
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute (a + b) * c - d")
-    or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)"""
+    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep'
+    ("Compute (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as
+    TinyZero)"""
     dataset: str | None = None
-    """JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer); overrides --task"""
+    """JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer);
+    overrides --task"""
     prompt_field: str = "question"
     """--dataset: the field that holds the question"""
     answer_field: str = "answer"
     """--dataset: the field that holds the answer"""
-    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(default_factory=list)
-    """your own reward, path/to/file.py:function with function(completion, example) -> float, repeatable; the spec
-    'task' is the task's own reward; the weighted sum is the score (default: the task's)"""
+    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
+        default_factory=list
+    )
+    """your own reward, path/to/file.py:function with function(completion, example) -> float,
+    repeatable; the spec 'task' is the task's own reward; the weighted sum is the score (default:
+    the task's)"""
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     """weights of the --reward-fn functions, in order (default: 1 each)"""
     format_reward: float = 0.0
-    """reward for the expected format (0 = off): a completion that ends with a number, Countdown's <answer> block, or
-    with --answer-format think the whole <think> ... </think> <answer> ... </answer> shape"""
+    """reward for the expected format (0 = off): a completion that ends with a number, Countdown's
+    <answer> block, or with --answer-format think the whole <think> ... </think> <answer> ...
+    </answer> shape"""
     answer_format: Literal["plain", "think"] = "plain"
-    """'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy read the answer block"""
+    """'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and
+    accuracy read the answer block"""
     system_prompt: str | None = None
-    """system message before every question (default: none; with --answer-format think, instructions for that format)"""
+    """system message before every question (default: none; with --answer-format think, instructions
+    for that format)"""
     response_prefix: str = ""
-    """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards see it too"""
+    """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
+    see it too"""
     missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
-    """subtracted from the score of a completion that never emits EOS, as TRL's PPOConfig.missing_eos_penalty
-    (>= 0; 0 = off); the N+ details' code replaces that score with -1 instead (penalty_reward_value)"""
+    """subtracted from the score of a completion that never emits EOS, as TRL's
+    PPOConfig.missing_eos_penalty (>= 0; 0 = off); the N+ details' code replaces that score with -1
+    instead (penalty_reward_value)"""
     total_steps: Annotated[int, Ge(1)] = 30
-    """number of PPO iterations (sample a batch, then --num-ppo-epochs x --num-minibatches updates)"""
+    """number of PPO iterations (sample a batch, then --num-ppo-epochs x --num-minibatches
+    updates)"""
     prompts_per_step: Annotated[int, Ge(1)] = 32
-    """questions sampled per step, one completion each (32 = as many completions as grpo_lm's 4 x G=8)"""
+    """questions sampled per step, one completion each (32 = as many completions as grpo_lm's 4 x
+    G=8)"""
     max_new_tokens: Annotated[int, Ge(1)] = 64
     """maximum completion length in tokens"""
     max_prompt_length: Annotated[int, Ge(1)] = 512
@@ -143,8 +169,8 @@ class Args:
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
     beta: Annotated[float, Ge(0)] = 0.05
-    """KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with --adaptive-kl-target its
-    initial value (a resumed run continues the controller's saved beta)"""
+    """KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with
+    --adaptive-kl-target its initial value (a resumed run continues the controller's saved beta)"""
     whiten_rewards: bool = False
     """scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)"""
     gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
@@ -152,7 +178,8 @@ class Args:
     lam: Annotated[float, Interval(ge=0, le=1)] = 0.95
     """GAE lambda"""
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    """AdamW learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30 steps)"""
+    """AdamW learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30
+    steps)"""
     value_learning_rate: Annotated[float, Interval(gt=0, lt=1)] | None = None
     """AdamW learning rate of the value model (default: --learning-rate)"""
     adam_eps: Annotated[float, Gt(0)] = 1e-5
@@ -166,30 +193,36 @@ class Args:
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2
     """eps of the clipped surrogate"""
     clip_range_value: Annotated[float, Gt(0)] = 0.2
-    """eps_v: the value prediction may move at most this far from V_old before its loss is clipped"""
+    """eps_v: the value prediction may move at most this far from V_old before its loss is
+    clipped"""
     vf_coef: Annotated[float, Gt(0)] = 0.1
     """weight of the value loss"""
     max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """gradient-norm clipping, applied to the policy and to the value model separately"""
     # --- extension (off by default): the adaptive KL controller of Ziegler et al. 2019 ---
     adaptive_kl_target: Annotated[float, Gt(0)] | None = None
-    """adapt beta towards this KL per sequence (summed over tokens, nats; Ziegler et al. 2019); None = fixed beta.
-    Not PPO's early-stopping --target-kl of ppo_continuous.py and CleanRL: no update stops early here"""
+    """adapt beta towards this KL per sequence (summed over tokens, nats; Ziegler et al. 2019); None
+    = fixed beta. Not PPO's early-stopping --target-kl of ppo_continuous.py and CleanRL: no update
+    stops early here"""
     adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
-    """horizon of the adaptive KL controller in sequences: beta *= 1 + clip(KL/target - 1, +-0.2) * N / horizon"""
-    # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters of the policy instead of all its weights ---
+    """horizon of the adaptive KL controller in sequences: beta *= 1 + clip(KL/target - 1, +-0.2) *
+    N / horizon"""
+    # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters of the policy instead of all
+    # its weights ---
     lora_rank: Annotated[int, Ge(0)] = 0
-    """rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy with its adapter
-    disabled; the value model is trained in full"""
+    """rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
+    with its adapter disabled; the value model is trained in full"""
     lora_alpha: Annotated[float, Gt(0)] | None = None
     """LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and MLP projections)"""
+    """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
+    MLP projections)"""
     # --- run: experiment, logging, evaluation, checkpoints ---
     exp_name: str = "ppo_lm"
     """name of this experiment (part of the run name)"""
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
-    """seed of the experiment: prompts, sampling, minibatch order and initialisation all flow from it"""
+    """seed of the experiment: prompts, sampling, minibatch order and initialisation all flow from
+    it"""
     runs_dir: str = "runs"
     """TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/"""
     run_name: str | None = None
@@ -205,53 +238,71 @@ class Args:
     save_every: Annotated[int, Ge(0)] = 10
     """write a checkpoint every N steps and at the end (0 = only at the end)"""
     resume: str | None = None
-    """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override them (same
-    flags, same results); the model, the reward model, --eval-size and the run directory cannot change"""
+    """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
+    them (same flags, same results); the model, the reward model, --eval-size and the run directory
+    cannot change"""
     torch_threads: Annotated[int, Ge(0)] = 0
     """CPU threads for torch (0 = torch's default)"""
     eval_only: bool = False
-    """no training: the greedy held-out accuracy of the --resume checkpoint, or of --model-name-or-path (e.g. a run's
-    final_model/), printed and written as JSON into the run directory"""
+    """no training: the greedy held-out accuracy of the --resume checkpoint, or of
+    --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run
+    directory"""
     track: bool = False
-    """also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)"""
+    """also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on
+    disk)"""
     wandb_project_name: str = "minimal-ppo-grpo"
     """the wandb project of --track"""
     wandb_entity: str | None = None
     """the wandb entity (team or user) of --track; default: yours"""
-    # --- scale-out and speed: devices, several processes (torchrun), micro-batches, the bf16 sampler ---
+    # --- scale-out and speed: devices, several processes (torchrun), micro-batches, the bf16
+    # sampler ---
     device: str = "auto"
     """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
     micro_batch_size: Annotated[int, Ge(1)] = 8
     """sequences per forward/backward pass; gradients are accumulated over a minibatch"""
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
-    """prompts per generate call (0 = all of a process's prompts); samples depend only on --seed, the step and the calls' prompts"""
+    """prompts per generate call (0 = all of a process's prompts); samples depend only on --seed,
+    the step and the calls' prompts"""
     bf16: bool = True
-    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay float32); no-op on CPU"""
+    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
+    float32); no-op on CPU"""
     gradient_checkpointing: bool = False
-    """recompute the policy's and value model's activations in the backward pass: less memory, ~30% slower"""
+    """recompute the policy's and value model's activations in the backward pass: less memory, ~30%
+    slower"""
     fast_generation: bool = False
-    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which transformers compiles on CUDA"""
+    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache,
+    which transformers compiles on CUDA"""
     tis_cap: Annotated[float, Ge(0)] = 0.0
-    """truncated importance sampling: with a sampler other than the trained module (--fast-generation, bf16 on CUDA)
-    weight each token's surrogate by min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL token_truncate); 0 = off"""
+    """truncated importance sampling: with a sampler other than the trained module
+    (--fast-generation, bf16 on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C)
+    (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
 @dataclass
 class Batch:
-    """Steps 1-2 of a step, this process's share: N prompts with one completion each (prompts left-padded
-    to P tokens, completions of T tokens at most), and the completions' scores (set by :func:`score`)."""
+    """Steps 1-2 of a step, this process's share: N prompts with one completion each (prompts
+    left-padded to P tokens, completions of T tokens at most), and the completions' scores (set by
+    :func:`score`)."""
 
     examples: list[dict]  # the question (and answer) of each prompt
     completions: list[str]  # the decoded completions
-    input_ids: torch.Tensor  # (N, P + T) the prompt, then the completion (padding after its first EOS)
+    input_ids: (
+        torch.Tensor
+    )  # (N, P + T) the prompt, then the completion (padding after its first EOS)
     attention_mask: torch.Tensor  # (N, P + T) 1 for real tokens
     prompt_width: int  # P: the completions start at this column
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including each completion's first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
-    sampler_logp: torch.Tensor | None  # (N, T) log probs under the sampler when it is not the policy (TIS)
-    score: torch.Tensor | None = None  # (N,) the reward model's or the task's score, before the EOS penalty
+    sampler_logp: (
+        torch.Tensor | None
+    )  # (N, T) log probs under the sampler when it is not the policy (TIS)
+    score: torch.Tensor | None = (
+        None  # (N,) the reward model's or the task's score, before the EOS penalty
+    )
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
-    reward_fns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # --reward-fn: each one's
+    reward_fns: dict[str, torch.Tensor] = dataclasses.field(
+        default_factory=dict
+    )  # --reward-fn: each one's
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,28 +322,42 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                    temperature: float, with_entropy: bool = False):
+def token_log_probs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float,
+    with_entropy: bool = False,
+):
     """Log probs of the last ``T`` tokens of each sequence under ``model`` at ``temperature``.
 
     Logits are computed only for the completion positions (``logits_to_keep``); position ids count
-    real tokens only, as in generation, so left padding changes nothing. The LM head and the log-softmax
-    run in float32 also under bf16 autocast (:func:`float32_lm_head`).
+    real tokens only, as in generation, so left padding changes nothing. The LM head and the
+    log-softmax run in float32 also under bf16 autocast (:func:`float32_lm_head`).
 
     Args:
         input_ids: (B, P + T) left-padded prompt followed by the completion.
         attention_mask: (B, P + T) 1 for real tokens.
         num_completion_tokens: T.
-        with_entropy: also return the entropy of ``softmax(logits / temperature)`` (no grad; logged only).
+        with_entropy: also return the entropy of ``softmax(logits / temperature)`` (no grad; logged
+        only).
     Returns:
         (B, T) ``log softmax(logits / temperature)`` gathered at the sampled tokens, and with
         ``with_entropy`` a (B, T) entropy as well.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with float32_lm_head(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=num_completion_tokens + 1, use_cache=False).logits
-    log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # logits at position j predict token j + 1
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=num_completion_tokens + 1,
+            use_cache=False,
+        ).logits
+    log_probs = (logits[:, :-1].float() / temperature).log_softmax(
+        -1
+    )  # logits at position j predict token j + 1
     targets = input_ids[:, -num_completion_tokens:]
     logp = torch.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -302,64 +367,89 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return logp, entropy
 
 
-def token_values(value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 num_completion_tokens: int) -> torch.Tensor:
-    """Per-token values V(s_t) of the completion tokens: the scalar head on the backbone's hidden states.
+def token_values(
+    value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int
+) -> torch.Tensor:
+    """Per-token values V(s_t) of the completion tokens: the scalar head on the backbone's hidden
+    states.
 
     The state s_t before emitting completion token o_t is the prompt and o_<t, whose last token
     sits at position j = P + t - 1. So V(s_t) is read at the hidden state of position P + t - 1 (the
-    previous token: the last prompt token for t = 0), the same position whose logits give pi(o_t | s_t).
-    V of the state after the last token is never needed: it is terminal, valued 0.
+    previous token: the last prompt token for t = 0), the same position whose logits give pi(o_t |
+    s_t). V of the state after the last token is never needed: it is terminal, valued 0.
 
     Args:
-        value_model: a sequence-classification model (a backbone ``base_model`` plus a ``score`` head).
-        input_ids, attention_mask: (B, P + T) left-padded prompt followed by the completion.
+        value_model: a sequence-classification model (a backbone ``base_model`` plus a ``score``
+        head). input_ids, attention_mask: (B, P + T) left-padded prompt followed by the completion.
         num_completion_tokens: T.
     Returns:
         (B, T) float32 values.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = value_model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state
-    return value_model.score(hidden[:, -num_completion_tokens - 1: -1]).squeeze(-1).float()
+    hidden = value_model.base_model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
+    return value_model.score(hidden[:, -num_completion_tokens - 1 : -1]).squeeze(-1).float()
 
 
-def per_token_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor | None, mask: torch.Tensor,
-                      beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (DeepSeekMath eq. 2, InstructGPT eq. 2): ``-beta * KL_t``, plus the score on the last token.
+def per_token_rewards(
+    scores: torch.Tensor,
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    mask: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards (DeepSeekMath eq. 2, InstructGPT eq. 2): ``-beta * KL_t``, plus the score
+    on the last token.
 
-    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)``, the k1 estimator of KL(pi_old || pi_ref): unbiased, may be
-    negative. Used as a reward, its expected score-function gradient is that of KL(pi || pi_ref), so the
-    updates optimise ``E[score] - beta * KL(pi || pi_ref)``; k3 in its place would not (see the module docstring).
+    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)``, the k1 estimator of KL(pi_old || pi_ref):
+    unbiased, may be negative. Used as a reward, its expected score-function gradient is that of
+    KL(pi || pi_ref), so the updates optimise ``E[score] - beta * KL(pi || pi_ref)``; k3 in its
+    place would not (see the module docstring).
 
     Args:
-        scores: (B,) one score per completion (reward model or verifiable reward, with the missing-EOS penalty).
-        logp, ref_logp: (B, T) log probs of the sampled tokens under pi_old and pi_ref (ref None: no KL).
-        mask: (B, T) 1 for completion tokens up to and including the first EOS (a prefix of ones).
+        scores: (B,) one score per completion (reward model or verifiable reward, with the
+        missing-EOS penalty). logp, ref_logp: (B, T) log probs of the sampled tokens under pi_old
+        and pi_ref (ref None: no KL). mask: (B, T) 1 for completion tokens up to and including the
+        first EOS (a prefix of ones).
     Returns:
-        (rewards, kl): both (B, T); the KL term on every valid token, the score only at the last valid
-        token (the EOS when there is one), 0 after it.
+        (rewards, kl): both (B, T); the KL term on every valid token, the score only at the last
+        valid token (the EOS when there is one), 0 after it.
     """
     # masked first: whatever the log probs hold after the EOS (even inf) never reaches the rewards
-    kl = torch.where(mask.bool(), logp - ref_logp, 0.0) if ref_logp is not None else torch.zeros_like(logp)
+    kl = (
+        torch.where(mask.bool(), logp - ref_logp, 0.0)
+        if ref_logp is not None
+        else torch.zeros_like(logp)
+    )
     rewards = -beta * kl
     last = mask.sum(1).long().clamp(min=1) - 1  # index of each completion's last valid token
     rewards[torch.arange(len(last)), last] += scores.to(rewards)
     return rewards, kl
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> torch.Tensor:
-    """``(x - mean) / std`` with mean and (unbiased) std over the valid tokens only; 0 at masked tokens.
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> torch.Tensor:
+    """``(x - mean) / std`` with mean and (unbiased) std over the valid tokens only; 0 at masked
+    tokens.
 
-    The N+ details whiten the advantages, and optionally the rewards (rescaled only, ``shift_mean=False``).
+    The N+ details whiten the advantages, and optionally the rewards (rescaled only,
+    ``shift_mean=False``).
 
     Args:
         x, mask: (B, T).
         shift_mean: False keeps the mean (reward whitening only rescales).
-        all_reduce: sums a tensor over processes. Default: the identity, for one process. Under ``torchrun``
-            the loop passes ``common.all_reduce``: mean and std are then those of the valid tokens of every
-            process, so the result does not depend on how the batch is split.
+        all_reduce: sums a tensor over processes. Default: the identity, for one process. Under
+            ``torchrun`` the loop passes ``common.all_reduce``: mean and std are then those of the
+            valid tokens of every process, so the result does not depend on how the batch is split.
     Returns:
         (B, T) whitened ``x``.
     """
@@ -372,12 +462,15 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return out * mask
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
-        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation over tokens (Schulman et al. 2016, eq. 16) and the value targets.
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation over tokens (Schulman et al. 2016, eq. 16) and the value
+    targets.
 
-    ``delta_t = r_t + gamma * V(s_t+1) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_t+1``, ``R_t = A_t + V(s_t)``.
-    The state after the last valid token is terminal: its value is 0 and nothing after it counts.
+    ``delta_t = r_t + gamma * V(s_t+1) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_t+1``, ``R_t =
+    A_t + V(s_t)``. The state after the last valid token is terminal: its value is 0 and nothing
+    after it counts.
 
     Args:
         rewards: (B, T) per-token rewards (0 after the last valid token).
@@ -399,41 +492,46 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, advantages + values
 
 
-def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, values: torch.Tensor,
-             old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_range: float,
-             clip_range_value: float, vf_coef: float, num_sequences: int, sampler_logp: torch.Tensor | None = None,
-             tis_cap: float = 0.0):
-    """PPO loss of a micro-batch: ``-J(theta) + vf_coef * L(phi)``, scaled for gradient accumulation.
+def ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+    clip_range_value: float,
+    vf_coef: float,
+    num_sequences: int,
+    sampler_logp: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
+):
+    """PPO loss of a micro-batch, ``-J(theta) + vf_coef * L(phi)``, for gradient accumulation.
 
-    Policy: the clipped surrogate ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7).
-    Value: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (the N+ details).
-    Both are averaged over each sequence's ``|o|`` valid tokens (DeepSeekMath eq. 1, as grpo_lm.py does),
-    summed over the micro-batch and divided by the number of sequences in the whole minibatch, so the
-    micro-batch losses add up to the minibatch loss. The log ratio is masked before ``exp``: what the log
-    probs hold after the EOS (an overflow included) changes neither the loss nor any gradient.
-    Truncated importance sampling (TIS; Yao et al. 2025; TRL's ``token_truncate``), when ``tis_cap > 0`` and
-    the tokens were sampled by another module than the one trained (a bf16 copy): each token's surrogate is
-    weighted by ``min(pi_old / pi_sampler, tis_cap)``, detached.
-
+    Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7); value:
+    ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (N+ details). Both are
+    averaged over each sequence's ``|o|`` tokens (as grpo_lm.py does), summed and divided by the
+    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. The
+    log ratio is masked before ``exp``. TIS (Yao et al. 2025; TRL's ``token_truncate``), ``tis_cap >
+    0``: each token's surrogate is weighted by the detached ``min(pi_old / pi_sampler, tis_cap)``.
     Args:
-        logp: (b, T) log probs under the policy being trained (with grad).
-        old_logp: (b, T) log probs under pi_old, the policy that sampled the batch.
-        advantages: (b, T) whitened GAE advantages.
-        values: (b, T) V_phi(s_t) from the value model being trained (with grad).
-        old_values, returns: (b, T) values at sampling time and the GAE value targets.
-        mask: (b, T) 1 for completion tokens up to and including the first EOS.
-        num_sequences: sequences in the whole minibatch.
-        sampler_logp: (b, T) log probs of the sampled tokens under the sampler itself; tis_cap: C, 0 = off.
-    Returns:
-        (loss, stats): the scalar loss and a dict of detached sums (divide by ``tokens``) and extremes.
+        logp, old_logp, advantages, returns: (b, T) log probs under the policy (with grad) and
+            pi_old, whitened GAE advantages, the GAE value targets; values, old_values: (b, T)
+            V_phi(s_t) (with grad) and at sampling time; mask: (b, T) 1 up to the first EOS.
+        sampler_logp: (b, T) log probs under the sampler, or None.
+    Returns: (loss, stats): the scalar loss and detached sums (divide by ``tokens``) and extremes.
     """
     valid = mask.bool()
-    log_ratio = torch.where(valid, logp - old_logp, 0.0)  # masked before exp(): no inf * 0 = NaN after the EOS
+    log_ratio = torch.where(valid, logp - old_logp, 0.0)  # before exp(): no inf * 0 after the EOS
     ratio = torch.exp(log_ratio)
-    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_range, 1 + clip_range) * advantages)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
+    surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
     if sampler_logp is not None and tis_cap > 0:  # TIS: pi_old / pi_sampler, truncated at C
-        surrogate = surrogate * torch.exp(torch.where(valid, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap)
-    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+        weight = torch.exp(torch.where(valid, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap)
+        surrogate = surrogate * weight
+    eps_v = clip_range_value
+    values_clipped = old_values + torch.clamp(values - old_values, -eps_v, eps_v)
     value_losses = (values - returns) ** 2
     value_losses_clipped = (values_clipped - returns) ** 2
     per_token_vf = 0.5 * torch.max(value_losses, value_losses_clipped)
@@ -442,23 +540,28 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tenso
     value_loss = ((per_token_vf * mask).sum(1) / lengths).sum() / num_sequences
     loss = policy_loss + vf_coef * value_loss
     with torch.no_grad():
-        clipped = ((advantages > 0) & (ratio > 1 + clip_range)) | ((advantages < 0) & (ratio < 1 - clip_range))
-        stats = {
-            "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(), "tokens": mask.sum(),
-            "clipped": (clipped.float() * mask).sum(),
-            "value_clipped": ((value_losses_clipped > value_losses).float() * mask).sum(),
-            "approx_kl": (((ratio - 1) - log_ratio) * mask).sum(),  # k3 of KL(pi_old || pi_theta)
-            "ratio_min": ratio[valid].min() if valid.any() else ratio.new_tensor(1.0),
-            "ratio_max": ratio[valid].max() if valid.any() else ratio.new_tensor(1.0),
-        }
+        clipped = (advantages > 0) & (ratio > 1 + clip_range)  # where the clip takes the gradient
+        clipped |= (advantages < 0) & (ratio < 1 - clip_range)
+        one = ratio.new_tensor(1.0)
+        stats = dict(policy_loss=policy_loss.detach(), value_loss=value_loss.detach())
+        stats["tokens"], stats["clipped"] = mask.sum(), (clipped.float() * mask).sum()
+        stats["value_clipped"] = ((value_losses_clipped > value_losses).float() * mask).sum()
+        # approx_kl: k3 of KL(pi_old || pi_theta)
+        stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()
+        stats["ratio_min"] = ratio[valid].min() if valid.any() else one
+        stats["ratio_max"] = ratio[valid].max() if valid.any() else one
     return loss, stats
 
 
-def adaptive_kl_coef(beta: float, kl: float, target: float, num_sequences: int, horizon: int) -> float:
-    """Adaptive KL controller (Ziegler et al. 2019 §2.2, as in their lm-human-preferences code): the next beta.
+def adaptive_kl_coef(
+    beta: float, kl: float, target: float, num_sequences: int, horizon: int
+) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019 §2.2, as in their lm-human-preferences code): the
+    next beta.
 
-    ``beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences / horizon)``. It moves the KL
-    coefficient of the reward; it never stops an update early (that is --target-kl in ppo_continuous.py).
+    ``beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences / horizon)``. It moves
+    the KL coefficient of the reward; it never stops an update early (that is --target-kl in
+    ppo_continuous.py).
 
     Args:
         beta: the current KL coefficient.
@@ -474,12 +577,13 @@ def adaptive_kl_coef(beta: float, kl: float, target: float, num_sequences: int, 
 def float32_lm_head(model):
     """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
 
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every
-    log prob that enters the loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per
-    token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on the hidden states
-    cast to float32 with autocast off, so a LoRA adapter on the head (``--lora-target-modules lm_head``) acts
-    too; the head's weights are float32 (``common.load_model`` loads them so) and are neither copied nor cast.
-    Without autocast it is the head's usual forward, so the numbers do not change.
+    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor
+    under every log prob that enters the loss: on a policy a hair away from its reference, the k3 KL
+    read ~1.5e-3 per token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward
+    runs on the hidden states cast to float32 with autocast off, so a LoRA adapter on the head
+    (``--lora-target-modules lm_head``) acts too; the head's weights are float32
+    (``common.load_model`` loads them so) and are neither copied nor cast. Without autocast it is
+    the head's usual forward, so the numbers do not change.
     """
     head = model.get_output_embeddings()
     own_forward, patched = head.forward, "forward" in vars(head)
@@ -532,8 +636,12 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     optimizer = make_optimizer(policy, value_model, args, device)
     policy_params, value_params = (group["params"] for group in optimizer.param_groups)
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
-    bar = {"reward": "reward/mean", "kl": "loss/kl", "vloss": "loss/value",
-           "len": "completion/length_mean"}
+    bar = {
+        "reward": "reward/mean",
+        "kl": "loss/kl",
+        "vloss": "loss/value",
+        "len": "completion/length_mean",
+    }
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
     sampler = make_sampler(policy, tokenizer, questions, args, rank, world)  # --fast-generation
     if checkpoint is not None:
@@ -593,16 +701,30 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                         old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
                         adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
                         tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
-                        loss, stats = ppo_loss(logp, old_lp, adv, values, old_v, ret, m, eps, eps_v,
-                                               args.vf_coef, minibatch_size * world, tis, tis_cap)
+                        loss, stats = ppo_loss(
+                            logp,
+                            old_lp,
+                            adv,
+                            values,
+                            old_v,
+                            ret,
+                            m,
+                            eps,
+                            eps_v,
+                            args.vf_coef,
+                            minibatch_size * world,
+                            tis,
+                            tis_cap,
+                        )
                         common.check_finite_update(*where, loss=loss)
                         loss.backward()
                         accumulate(totals, {**stats, "entropy": (entropy * m).sum()})
                 common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                common.check_finite_update(*where, gradient_norm=grad_norm,
-                                           value_gradient_norm=value_grad_norm)
+                common.check_finite_update(
+                    *where, gradient_norm=grad_norm, value_gradient_norm=value_grad_norm
+                )
                 optimizer.step()
                 common.check_finite_parameters(policy_params + value_params, *where)
                 norms = {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1}
@@ -612,8 +734,10 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        metrics = step_metrics(args, batch, scores, kl, beta_used, old_logp, old_values, returns,
-                               totals, optimizer, device, (t0, gen_time, t2))
+        tensors, times = (old_logp, old_values, returns), (t0, gen_time, t2)
+        metrics = step_metrics(
+            args, batch, scores, kl, beta_used, tensors, totals, optimizer, times
+        )
         log(step + 1, metrics)
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
@@ -627,86 +751,126 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the value model's start
+# The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the value
+# model's start
 # ----------------------------------------------------------------------------------------------
 def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
-    """Step 1: this process's N prompts of the step and one completion of each from pi_old, the current policy.
+    """Step 1: this process's N prompts of the step and one completion of each from pi_old, the
+    current policy.
 
-    The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)`` (within the
-    top-p nucleus), in calls of --generation-prompts-per-call prompts, each after reseeding torch from ``(--seed,
-    step, global index of the call's first prompt)``: samples do not depend on the number of processes. Each
-    completion ends at its first EOS and is padded after it (the N+ details' EOS trick, :func:`completion_mask`).
-    The sampler is the policy itself, or with --fast-generation its bf16 copy, which first gets the policy's
-    current weights (:func:`make_sampler`).
+    The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)``
+    (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each after
+    reseeding torch from ``(--seed, step, global index of the call's first prompt)``: samples do not
+    depend on the number of processes. Each completion ends at its first EOS and is padded after it
+    (the N+ details' EOS trick, :func:`completion_mask`). The sampler is the policy itself, or with
+    --fast-generation its bf16 copy, which first gets the policy's current weights
+    (:func:`make_sampler`).
 
     Returns:
         the step's :class:`Batch`, its scores still unset (step 2, :func:`score`).
     Raises:
         UsageError: the sampling probabilities are not finite (diverged weights).
     """
-    common.refresh_sampler(sampler.model, policy)  # --fast-generation: the bf16 copy gets the policy's weights
+    common.refresh_sampler(
+        sampler.model, policy
+    )  # --fast-generation: the bf16 copy gets the policy's weights
     tokenizer, N = sampler.tokenizer, args.prompts_per_step // sampler.world
     first = sampler.rank * N  # global index of this process's first prompt
-    picks = np.random.default_rng([args.seed, step]).choice(len(sampler.questions), args.prompts_per_step,
-                                                            replace=False)[first: first + N]
-    examples = [sampler.questions[i] for i in picks]
-    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix))
+    picks = np.random.default_rng([args.seed, step]).choice(
+        len(sampler.questions), args.prompts_per_step, replace=False
+    )
+    examples = [sampler.questions[i] for i in picks[first : first + N]]
+    style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
+    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *style)
+    seeds = dict(seed_keys=(args.seed, step), first=first)
     rows, row_logps = common.generate_completions(
-        sampler.model, prompts, 1, tokenizer, device, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, seed_keys=(args.seed, step), first=first,
-        per_call=args.generation_prompts_per_call, bf16=args.bf16 and not args.fast_generation,
-        static_cache=args.fast_generation, record=sampler.record)
+        sampler.model, prompts, 1, tokenizer, device, **seeds, **sampler.options
+    )
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id, device)
     T = max(len(r) for r in rows)
-    completion_ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device)
-    sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device) if sampler.record else None
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): nothing after the first EOS
+    completion_ids = torch.tensor(
+        [r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device
+    )
+    sampler_logp = None
+    if sampler.record:
+        sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-    return Batch(examples, tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-                 torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask.long()], 1),
-                 prompt_ids.shape[1], mask, ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu(),
-                 sampler_logp)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, mask.long()], 1)
+    truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu()
+    P = prompt_ids.shape[1]
+    return Batch(examples, texts, input_ids, attention_mask, P, mask, truncated, sampler_logp)
 
 
 def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> Batch:
-    """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's, read where its
-    own forward pass pools (--reward-model-path), or else the task's verifiable reward.
+    """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's,
+    read where its own forward pass pools (--reward-model-path), or else the task's verifiable
+    reward.
 
     Returns:
-        (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and ``reward_fns``: with --reward-fn,
-        each function's own (N,) rewards by name. The reward functions read --response-prefix + completion.
+        (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and ``reward_fns``:
+        with --reward-fn, each function's own (N,) rewards by name. The reward functions read
+        --response-prefix + completion.
     Raises:
         UsageError: the reward function raises or returns a non-finite value.
     """
     examples = batch.examples
-    responses = [args.response_prefix + c for c in batch.completions]  # what the reward functions read
+    responses = [
+        args.response_prefix + c for c in batch.completions
+    ]  # what the reward functions read
     each = {}
     if reward_model is not None:
-        scores = common.score_with_reward_model(reward_model, batch.input_ids, batch.attention_mask,
-                                                args.micro_batch_size, device, args.bf16)
+        scores = common.score_with_reward_model(
+            reward_model,
+            batch.input_ids,
+            batch.attention_mask,
+            args.micro_batch_size,
+            device,
+            args.bf16,
+        )
     else:
-        scores, each = tasks.score_task(task, responses, examples)  # --reward-fn: each function's own rewards too
-    batch.score, batch.correct, batch.reward_fns = scores, tasks.score_correct(task, responses, examples), each
+        scores, each = tasks.score_task(
+            task, responses, examples
+        )  # --reward-fn: each function's own rewards too
+    batch.score, batch.correct, batch.reward_fns = (
+        scores,
+        tasks.score_correct(task, responses, examples),
+        each,
+    )
     return batch
 
 
 def load_value_model(args: Args, tokenizer, device):
-    """The value model V_phi: a backbone with a scalar head ('score'), from the reward model (N+ details) or else
-    from the policy, whose new head is zero-initialised so that every initial value is 0 rather than noise.
+    """The value model V_phi: a backbone with a scalar head ('score'), from the reward model (N+
+    details) or else from the policy, whose new head is zero-initialised so that every initial value
+    is 0 rather than noise.
 
     Raises:
-        UsageError: the model cannot take a value head, or its vocabulary does not fit the tokenizer.
+        UsageError: the model cannot take a value head, or its vocabulary does not fit the
+        tokenizer.
     """
-    value_source, value_flag = (args.reward_model_path, "--reward-model-path") if args.reward_model_path \
+    value_source, value_flag = (
+        (args.reward_model_path, "--reward-model-path")
+        if args.reward_model_path
         else (args.model_name_or_path, "--model-name-or-path")
-    value_model = common.load_model(value_source, kind="reward", device=device, flag=value_flag).eval()
-    check(hasattr(value_model, "score"), f"{value_flag}: cannot attach a value head ('score') to {value_source}")
+    )
+    value_model = common.load_model(
+        value_source, kind="reward", device=device, flag=value_flag
+    ).eval()
+    check(
+        hasattr(value_model, "score"),
+        f"{value_flag}: cannot attach a value head ('score') to {value_source}",
+    )
     common.check_vocabulary(value_model, tokenizer, value_flag)
     if not args.reward_model_path:
         with torch.no_grad():
             for p in value_model.score.parameters():
                 p.zero_()
-    if args.gradient_checkpointing:  # HF checkpoints only in train mode: the updates switch .train() on
+    if (
+        args.gradient_checkpointing
+    ):  # HF checkpoints only in train mode: the updates switch .train() on
         common.enable_gradient_checkpointing(value_model)
     return value_model
 
@@ -715,17 +879,25 @@ def load_value_model(args: Args, tokenizer, device):
 # Extension (off by default): the adaptive KL controller of Ziegler et al. 2019
 # ----------------------------------------------------------------------------------------------
 def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
-    """Step 7: the next step's KL coefficient. Fixed without --adaptive-kl-target; with it, moved towards the target
-    by :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch (Ziegler et al. 2019 §2.2).
+    """Step 7: the next step's KL coefficient. Fixed without --adaptive-kl-target; with it, moved
+    towards the target by :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch
+    (Ziegler et al. 2019 §2.2).
 
     Args:
         beta: this step's coefficient; kl: (N, T) this process's per-token KL_t (0 after the EOS).
     """
     if args.adaptive_kl_target is None:
         return beta
-    kl_per_sequence = common.all_reduce(kl.sum()).item() / args.prompts_per_step  # torchrun: every process's sequences
-    return adaptive_kl_coef(beta, kl_per_sequence, args.adaptive_kl_target, args.prompts_per_step,
-                            args.adaptive_kl_horizon)
+    kl_per_sequence = (
+        common.all_reduce(kl.sum()).item() / args.prompts_per_step
+    )  # torchrun: every process's sequences
+    return adaptive_kl_coef(
+        beta,
+        kl_per_sequence,
+        args.adaptive_kl_target,
+        args.prompts_per_step,
+        args.adaptive_kl_horizon,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,41 +909,68 @@ class Sampler:
 
     model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
     record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
+    options: (
+        dict  # common.generate_completions' sampling options (temperature, top-p, lengths, ...)
+    )
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    rank: int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of each step
+    rank: (
+        int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of each step
+    )
     world: int
 
 
-def make_sampler(policy, tokenizer, questions: list[dict], args: Args, rank: int, world: int) -> Sampler:
-    """The sampler of step 1: the policy itself, or with --fast-generation a bfloat16 copy of it with a static KV cache,
-    which transformers compiles on CUDA, refreshed in place before every rollout (so the compiled CUDA graphs stay
-    valid). Log probs for the loss always come from the policy (float32 weights and LM head), so a bf16 sampler draws
-    from a slightly different distribution than the ratio and the KL assume: the gap is logged every step
+def make_sampler(
+    policy, tokenizer, questions: list[dict], args: Args, rank: int, world: int
+) -> Sampler:
+    """The sampler of step 1: the policy itself, or with --fast-generation a bfloat16 copy of it
+    with a static KV cache, which transformers compiles on CUDA, refreshed in place before every
+    rollout (so the compiled CUDA graphs stay valid). Log probs for the loss always come from the
+    policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different
+    distribution than the ratio and the KL assume: the gap is logged every step
     (sampling/logp_diff_*) and --tis-cap corrects it."""
     model = common.bf16_sampler(policy) if args.fast_generation else policy
     record = model is not policy or common.bf16_active(policy.device, args.bf16)
-    return Sampler(model, record, tokenizer, questions, rank, world)
+    options = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        per_call=args.generation_prompts_per_call,
+        record=record,
+        bf16=args.bf16 and not args.fast_generation,
+        static_cache=args.fast_generation,
+    )
+    return Sampler(model, record, options, tokenizer, questions, rank, world)
 
 
 def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int) -> list:
-    """Split ``indices`` into micro-batches of similar completion length, each trimmed of the padding
-    it does not need (left of its longest prompt, right of its longest completion). The losses are sums
-    over sequences, so the grouping changes no result, only the time spent on padding.
+    """Split ``indices`` into micro-batches of similar completion length, each trimmed of the
+    padding it does not need (left of its longest prompt, right of its longest completion). The
+    losses are sums over sequences, so the grouping changes no result, only the time spent on
+    padding.
 
     Args:
-        batch: the step's rollout (:func:`rollout`): ``input_ids``, ``attention_mask``, ``mask`` and ``P``.
+        batch: the step's rollout (:func:`rollout`): ``input_ids``, ``attention_mask``, ``mask`` and
+        ``P``.
     Returns:
-        [(idx, input_ids (b, p + t), attention_mask (b, p + t), t)]: completions occupy the last t columns.
+        [(idx, input_ids (b, p + t), attention_mask (b, p + t), t)]: completions occupy the last t
+        columns.
     """
-    input_ids, attention_mask, mask, P = batch.input_ids, batch.attention_mask, batch.completion_mask, batch.prompt_width
+    input_ids, attention_mask, mask, P = (
+        batch.input_ids,
+        batch.attention_mask,
+        batch.completion_mask,
+        batch.prompt_width,
+    )
     order = indices[torch.argsort(mask[indices].sum(1), descending=True, stable=True)]
     batches = []
     for i in range(0, len(order), size):
-        idx = order[i: i + size]
-        first = int(attention_mask[idx, :P].any(0).float().argmax())  # first column with a real token
+        idx = order[i : i + size]
+        first = int(
+            attention_mask[idx, :P].any(0).float().argmax()
+        )  # first column with a real token
         t = int(mask[idx].sum(1).max())
-        batches.append((idx, input_ids[idx, first: P + t], attention_mask[idx, first: P + t], t))
+        batches.append((idx, input_ids[idx, first : P + t], attention_mask[idx, first : P + t], t))
     return batches
 
 
@@ -781,44 +980,75 @@ def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int) -> list:
 SCRIPT = "ppo_lm.py"  # written into checkpoints: --resume refuses another script's
 FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA)
     "model_name_or_path": "the checkpoint holds this model's weights",
-    "reward_model_path": "the run's scores come from this model, and its value model started from it",
+    "reward_model_path": "the run's scores are its, and its value model started from it",
     "lora_rank": "the checkpoint holds adapters of this rank (or the full policy)",
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
 }
-HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"  # what a non-finite update suggests
+# what to check after a non-finite update
+HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: each flag's own constraint (beside
-    it in ``Args``) and the rules both LM scripts share (:func:`common.check_lm_flags`), then PPO's rules.
+    """One-line errors for flag values that cannot work, before anything loads: each flag's own
+    constraint (beside it in ``Args``) and the rules both LM scripts share
+    (:func:`common.check_lm_flags`), then PPO's rules.
 
     Raises:
         UsageError: naming the flag and what it expects.
     """
     common.check_lm_flags(args)
-    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, args.prompt_field,
-                           args.answer_field, args.system_prompt, args.response_prefix)
+    tasks.check_task_flags(
+        args.format_reward,
+        args.reward_fn,
+        args.reward_weights,
+        args.prompt_field,
+        args.answer_field,
+        args.system_prompt,
+        args.response_prefix,
+    )
     world = common.world_size()
-    check(args.prompts_per_step % args.num_minibatches == 0,
-          f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches {args.num_minibatches}")
-    check(args.adaptive_kl_target is None or args.beta > 0,
-          "--adaptive-kl-target needs --beta > 0 (the controller scales beta)")
-    check(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-          f"world size {world} (the number of torchrun processes)")
-    check(args.prompts_per_step // world % args.num_minibatches == 0, f"--prompts-per-step {args.prompts_per_step} / "
-          f"world size {world} = {args.prompts_per_step // world} prompts per process must be divisible by "
-          f"--num-minibatches {args.num_minibatches}")
+    check(
+        args.prompts_per_step % args.num_minibatches == 0,
+        f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches "
+        f"{args.num_minibatches}",
+    )
+    check(
+        args.adaptive_kl_target is None or args.beta > 0,
+        "--adaptive-kl-target needs --beta > 0 (the controller scales beta)",
+    )
+    check(
+        args.prompts_per_step % world == 0,
+        f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+        f"world size {world} (the number of torchrun processes)",
+    )
+    check(
+        args.prompts_per_step // world % args.num_minibatches == 0,
+        f"--prompts-per-step {args.prompts_per_step} / "
+        f"world size {world} = {args.prompts_per_step // world} prompts per process must be "
+        "divisible by "
+        f"--num-minibatches {args.num_minibatches}",
+    )
 
 
 def make_task(args: Args) -> tasks.Task:
     """The task the flags name (:func:`tasks.make_task`), with enough training questions for a step.
 
     Raises:
-        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held out.
+        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held
+        out.
     """
-    task = tasks.make_task(args.task, args.dataset, args.eval_size, args.prompt_field, args.answer_field,
-                           args.answer_format, args.format_reward, args.reward_fn, args.reward_weights)
+    task = tasks.make_task(
+        args.task,
+        args.dataset,
+        args.eval_size,
+        args.prompt_field,
+        args.answer_field,
+        args.answer_format,
+        args.format_reward,
+        args.reward_fn,
+        args.reward_weights,
+    )
     tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
     return task
 
@@ -830,45 +1060,63 @@ def prompts_that_fit(task: tasks.Task, tokenizer, args: Args) -> list[dict]:
         UsageError: fewer than --prompts-per-step of them.
     """
     style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
-    return tasks.prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style)
+    return tasks.prompts_that_fit(
+        task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style
+    )
 
 
 def load_reward_model(args: Args, tokenizer, device):
-    """The frozen reward model of --reward-model-path (:func:`common.load_reward_model`), or None."""
+    """The frozen reward model of --reward-model-path (:func:`common.load_reward_model`), or
+    None."""
     if args.reward_model_path is None:
         return None
-    return common.load_reward_model(args.reward_model_path, tokenizer, device).eval().requires_grad_(False)
+    return (
+        common.load_reward_model(args.reward_model_path, tokenizer, device)
+        .eval()
+        .requires_grad_(False)
+    )
 
 
 def make_optimizer(policy, value_model, args: Args, device) -> torch.optim.AdamW:
-    """One AdamW over two parameter groups, the policy's trained weights (--learning-rate) and the value
-    model's (--value-learning-rate), with the N+ details' epsilon (--adam-eps); fused on CUDA (one kernel,
-    the same math)."""
-    policy_group = {"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.learning_rate}
-    value_group = {"params": list(value_model.parameters()),
-                   "lr": args.value_learning_rate or args.learning_rate}
-    return torch.optim.AdamW([policy_group, value_group], eps=args.adam_eps, weight_decay=args.weight_decay,
-                             fused=device.type == "cuda")
+    """One AdamW over two parameter groups, the policy's trained weights (--learning-rate) and the
+    value model's (--value-learning-rate), with the N+ details' epsilon (--adam-eps); fused on CUDA
+    (one kernel, the same math)."""
+    policy_group = {
+        "params": [p for p in policy.parameters() if p.requires_grad],
+        "lr": args.learning_rate,
+    }
+    value_group = {
+        "params": list(value_model.parameters()),
+        "lr": args.value_learning_rate or args.learning_rate,
+    }
+    return torch.optim.AdamW(
+        [policy_group, value_group],
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads by :func:`common.resume_checkpoint`:
-    this script's, with the flags that cannot change unchanged (``FROZEN``), steps left to train and no NaN or inf;
-    None without --resume. A run saved with a flag this file no longer has (--kl-estimator, --target-kl) cannot be
-    resumed.
+    """The --resume checkpoint (memory-mapped), checked before anything loads by
+    :func:`common.resume_checkpoint`: this script's, with the flags that cannot change unchanged
+    (``FROZEN``), steps left to train and no NaN or inf; None without --resume. A run saved with a
+    flag this file no longer has (--kl-estimator, --target-kl) cannot be resumed.
 
     Raises:
-        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that cannot change, or a
-            run that already reached --total-steps.
+        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that
+            cannot change, or a run that already reached --total-steps.
     """
     return common.resume_checkpoint(args, SCRIPT, FROZEN)
 
 
-def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer) -> tuple[int, float]:
-    """Load a checkpoint's weights and optimizer state; returns the step it was written at and the KL coefficient
-    of the next step: with --adaptive-kl-target the controller's saved value, else --beta (given again, it takes
-    effect). The flags given now set the optimizer's hyperparameters (--learning-rate, --value-learning-rate,
-    --adam-eps, --weight-decay take effect on resume).
+def restore(
+    checkpoint: dict | None, args: Args, policy, value_model, optimizer
+) -> tuple[int, float]:
+    """Load a checkpoint's weights and optimizer state; returns the step it was written at and the
+    KL coefficient of the next step: with --adaptive-kl-target the controller's saved value, else
+    --beta (given again, it takes effect). The flags given now set the optimizer's hyperparameters
+    (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay take effect on resume).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
@@ -880,23 +1128,42 @@ def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer)
         value_model.load_state_dict(checkpoint["value_model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                         f"({type(e).__name__}: {common.first_line(e)[:200]})") from None
-    for group, lr in zip(optimizer.param_groups, (args.learning_rate, args.value_learning_rate or args.learning_rate)):
+        raise UsageError(
+            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
+            f"({type(e).__name__}: {common.first_line(e)[:200]})"
+        ) from None
+    lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target is not None else args.beta
+    return checkpoint["step"], checkpoint[
+        "kl_coef"
+    ] if args.adaptive_kl_target is not None else args.beta
 
 
 def new_totals() -> dict:
-    """Sums and extremes of a step's statistics, filled by :func:`accumulate`: per micro-batch those of
-    :func:`ppo_loss` and the entropy, per update the gradient norms and the update count."""
-    totals = {k: 0.0 for k in ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl",
-                               "entropy", "grad_norm", "value_grad_norm", "updates")}
+    """Sums and extremes of a step's statistics, filled by :func:`accumulate`: per micro-batch those
+    of :func:`ppo_loss` and the entropy, per update the gradient norms and the update count."""
+    totals = {
+        k: 0.0
+        for k in (
+            "policy_loss",
+            "value_loss",
+            "tokens",
+            "clipped",
+            "value_clipped",
+            "approx_kl",
+            "entropy",
+            "grad_norm",
+            "value_grad_norm",
+            "updates",
+        )
+    }
     return {**totals, "ratio_min": math.inf, "ratio_max": -math.inf}
 
 
 def accumulate(totals: dict, stats: dict) -> None:
-    """Add ``stats`` (tensors or numbers) to ``totals``: the ratio's extremes are kept, everything else summed."""
+    """Add ``stats`` (tensors or numbers) to ``totals``: the ratio's extremes are kept, everything
+    else summed."""
     for key, value in stats.items():
         if key == "ratio_min":
             totals[key] = min(totals[key], float(value))
@@ -906,82 +1173,141 @@ def accumulate(totals: dict, stats: dict) -> None:
             totals[key] += float(value)
 
 
-def step_metrics(args: Args, batch: Batch, scores: torch.Tensor, kl: torch.Tensor, beta: float, old_logp: torch.Tensor,
-                 old_values: torch.Tensor, returns: torch.Tensor, totals: dict, optimizer, device,
-                 times: tuple[float, float, float]) -> dict:
-    """A step's logged scalars: means over the global batch (sums and per-sequence values gathered from every
-    process). ``reward/mean`` is the score before the missing-EOS penalty, ``reward/score`` after it,
-    ``reward/non_score`` the summed -beta * KL_t; ``loss/*`` are means over the updates (losses) or over the tokens
-    of every micro-batch (fractions, KL, entropy); ``sampling/logp_diff_*`` is logged when the sampler is not the
-    trained module. ``times``: the step's start, the seconds of step 1 and the start of step 6; ``time/generation_s``
-    covers step 1, ``time/training_s`` the rest of the step up to here and ``time/update_s_per_epoch`` one pass of
-    step 6."""
+def step_metrics(
+    args, batch: Batch, scores, kl, beta: float, tensors, totals: dict, optimizer, times
+):
+    """A step's logged scalars over the global batch (gathered from every process): ``reward/mean``
+    is the score before the missing-EOS penalty, ``reward/score`` after it, ``reward/non_score`` the
+    summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every
+    micro-batch. ``tensors``: (N, T) old log probs, old values and returns; ``times``: the step's
+    start, step 1's seconds and step 6's start."""
+    old_logp, old_values, returns = tensors
     mask = batch.completion_mask
     valid = mask.bool()
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
-    returns_all, values_all = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, old_values))
-    rewards_task, correct, scores, non_score, lengths, truncated = (common.all_gather(x.float().cpu()) for x in (
-        batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated))
-    summed = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy")
-    totals = {**totals, **dict(zip(summed, common.all_reduce(torch.tensor([totals[k] for k in summed])).tolist()))}
-    var_returns = returns_all.var()
+    rewards_task, correct, scores, non_score, lengths, truncated = (
+        common.all_gather(x.float().cpu())
+        for x in (batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated)
+    )
+    summed = ["policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl"]
+    summed.append("entropy")
+    sums = common.all_reduce(torch.tensor([totals[k] for k in summed])).tolist()
+    totals = {**totals, **dict(zip(summed, sums, strict=True))}
     tokens, num_updates = max(totals["tokens"], 1), totals["updates"]
     (t0, gen_time, t2), now = times, time.time()
     return {
-        "reward/mean": rewards_task.mean().item(), "reward/std": rewards_task.std().item(),
-        "reward/accuracy": correct.mean().item(), "reward/score": scores.mean().item(),
-        "reward/non_score": non_score.mean().item(), "reward/total": (scores + non_score).mean().item(),
-        "loss/policy": totals["policy_loss"] / num_updates, "loss/value": totals["value_loss"] / num_updates,
+        "reward/mean": rewards_task.mean().item(),
+        "reward/std": rewards_task.std().item(),
+        "reward/accuracy": correct.mean().item(),
+        "reward/score": scores.mean().item(),
+        "reward/non_score": non_score.mean().item(),
+        "reward/total": (scores + non_score).mean().item(),
+        "loss/policy": totals["policy_loss"] / num_updates,
+        "loss/value": totals["value_loss"] / num_updates,
         "loss/kl": kl_sum / max(lengths.sum().item(), 1),
-        "loss/clip_fraction": totals["clipped"] / tokens, "loss/value_clip_fraction": totals["value_clipped"] / tokens,
-        "loss/approx_kl": totals["approx_kl"] / tokens, "loss/entropy": totals["entropy"] / tokens,
+        "loss/clip_fraction": totals["clipped"] / tokens,
+        "loss/value_clip_fraction": totals["value_clipped"] / tokens,
+        "loss/approx_kl": totals["approx_kl"] / tokens,
+        "loss/entropy": totals["entropy"] / tokens,
         "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
         "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
-        "kl/sequence_mean": kl_sum / args.prompts_per_step, "kl/beta": beta,
-        **(sampler_mismatch(old_logp, batch.sampler_logp, mask) if batch.sampler_logp is not None else {}),
-        "value/mean": values_all.mean().item(), "value/returns_mean": returns_all.mean().item(),
-        "value/explained_variance": (1 - (returns_all - values_all).var() / var_returns).item()
-        if var_returns > 0 else float("nan"),
-        "completion/length_mean": lengths.float().mean().item(), "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": totals["grad_norm"] / num_updates, "optim/value_grad_norm": totals["value_grad_norm"] / num_updates,
+        "kl/sequence_mean": kl_sum / args.prompts_per_step,
+        "kl/beta": beta,
+        **value_metrics(old_values, returns, valid),
+        "completion/length_mean": lengths.float().mean().item(),
+        "completion/frac_truncated": truncated.float().mean().item(),
+        "optim/grad_norm": totals["grad_norm"] / num_updates,
+        "optim/value_grad_norm": totals["value_grad_norm"] / num_updates,
         "optim/learning_rate": optimizer.param_groups[0]["lr"],
-        "time/generation_s": gen_time, "time/training_s": now - t0 - gen_time,
-        "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs, "time/step_s": now - t0,
+        "time/generation_s": gen_time,
+        "time/training_s": now - t0 - gen_time,
+        "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs,
+        "time/step_s": now - t0,
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
-        **common.peak_memory_gb(device), **common.reward_fn_means(batch.reward_fns),
+        **common.peak_memory_gb(kl.device),
+        **common.reward_fn_means(batch.reward_fns),
+    } | (
+        sampler_mismatch(old_logp, batch.sampler_logp, mask)
+        if batch.sampler_logp is not None
+        else {}
+    )
+
+
+def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
+    """``value/*``: the mean value and return over every process's valid tokens, and the explained
+    variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
+    returns_all, values_all = (
+        torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values)
+    )
+    var_returns = returns_all.var()
+    explained = (
+        (1 - (returns_all - values_all).var() / var_returns).item()
+        if var_returns > 0
+        else float("nan")
+    )
+    return {
+        "value/mean": values_all.mean().item(),
+        "value/returns_mean": returns_all.mean().item(),
+        "value/explained_variance": explained,
     }
 
 
-def sampler_mismatch(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens of every process,
-    logged whenever the sampler is not the trained module (the bf16 copy, bf16 autocast)."""
-    diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)  # -inf past the EOS with --top-p < 1
+def sampler_mismatch(
+    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens
+    of every process, logged whenever the sampler is not the trained module (the bf16 copy, bf16
+    autocast)."""
+    diff = torch.where(
+        mask.bool(), (old_logp - sampler_logp).abs(), 0.0
+    )  # -inf past the EOS with --top-p < 1
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
-    return {"sampling/logp_diff_mean": total / max(tokens, 1),
-            "sampling/logp_diff_max": common.all_reduce(diff.max(), "max").item()}
+    return {
+        "sampling/logp_diff_mean": total / max(tokens, 1),
+        "sampling/logp_diff_max": common.all_reduce(diff.max(), "max").item(),
+    }
 
 
-def save_checkpoint(log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float) -> None:
-    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue exactly (the
-    next step's KL coefficient included; not the reference, which never changes: resume loads it from
-    --model-name-or-path, which cannot change)."""
-    if not (log.is_main and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)):
+def save_checkpoint(
+    log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float
+) -> None:
+    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
+    exactly (the next step's KL coefficient included; not the reference, which never changes: resume
+    loads it from --model-name-or-path, which cannot change)."""
+    if not (
+        log.is_main
+        and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)
+    ):
         return
-    common.atomic_save({"script": SCRIPT, "policy": common.trained_weights(policy), "value_model": value_model.state_dict(),
-                        "optimizer": optimizer.state_dict(), "step": step, "kl_coef": beta,
-                        "args": dataclasses.asdict(args), "rng": common.get_rng_state(),
-                        "digests": common.input_digests(args.dataset, args.reward_fn)}, log.checkpoint)
+    common.atomic_save(
+        {
+            "script": SCRIPT,
+            "policy": common.trained_weights(policy),
+            "value_model": value_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": step,
+            "kl_coef": beta,
+            "args": dataclasses.asdict(args),
+            "rng": common.get_rng_state(),
+            "digests": common.input_digests(args.dataset, args.reward_fn),
+        },
+        log.checkpoint,
+    )
 
 
 def sample_lines(batch: Batch) -> list[str]:
     """Rank 0's first four completions with their scores, for the printed and logged samples."""
-    return [f"[reward {batch.score[j]:.2f}] {batch.examples[j]['question']!r} -> {batch.completions[j]!r}"
-            for j in range(min(len(batch.examples), 4))]
+    return [
+        f"[reward {batch.score[j]:.2f}] {batch.examples[j]['question']!r} -> "
+        f"{batch.completions[j]!r}"
+        for j in range(min(len(batch.examples), 4))
+    ]
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """The command line (``python ppo_lm.py --help``): bad input ends in one ``error: ...`` line and exit code 2."""
+    """The command line (``python ppo_lm.py --help``): bad input ends in one ``error: ...`` line and
+    exit code 2."""
     common.run_cli(lambda: main(common.parse_args(Args, argv, SCRIPT)))
 
 
