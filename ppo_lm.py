@@ -616,11 +616,11 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     validate(args)
     checkpoint = resume_checkpoint(args)
     run_dir = common.make_run_dir(args)
-    task = task or make_task(args)
+    task = task or tasks.task_of(args)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = prompts_that_fit(task, tokenizer, args)
+    questions = tasks.training_questions(task, tokenizer, args)
     # torchrun: each process samples and trains on its share of the batch
     rank, world, device = common.start_processes(args.torch_threads, args.device)
     common.seed_everything(args.seed)
@@ -1028,40 +1028,6 @@ def validate(args: Args) -> None:
         f"world size {world} = {args.prompts_per_step // world} prompts per process must be "
         "divisible by "
         f"--num-minibatches {args.num_minibatches}",
-    )
-
-
-def make_task(args: Args) -> tasks.Task:
-    """The task the flags name (:func:`tasks.make_task`), with enough training questions for a step.
-
-    Raises:
-        UsageError: a bad --dataset or --reward-fn, or too few questions once --eval-size are held
-        out.
-    """
-    task = tasks.make_task(
-        args.task,
-        args.dataset,
-        args.eval_size,
-        args.prompt_field,
-        args.answer_field,
-        args.answer_format,
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-    )
-    tasks.check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
-    return task
-
-
-def prompts_that_fit(task: tasks.Task, tokenizer, args: Args) -> list[dict]:
-    """The training questions whose prompts, in the run's prompt style, fit --max-prompt-length.
-
-    Raises:
-        UsageError: fewer than --prompts-per-step of them.
-    """
-    style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
-    return tasks.prompts_that_fit(
-        task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style
     )
 
 

@@ -660,3 +660,28 @@ def greedy_accuracy(
         correct += sum(_checked_scores(correct_fn, what, texts, batch, start, unit=True))
         outputs += texts
     return correct / len(examples), outputs
+
+
+def task_of(args) -> Task:
+    """The task an LM script's flags name (:func:`make_task`), with enough training questions for a
+    step once --eval-size are held out (:func:`check_split`). Both scripts read the same flags.
+
+    Raises:
+        UsageError: a bad --dataset or --reward-fn, or too few questions.
+    """
+    fields = (args.prompt_field, args.answer_field, args.answer_format, args.format_reward)
+    task = make_task(
+        args.task, args.dataset, args.eval_size, *fields, args.reward_fn, args.reward_weights
+    )
+    check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    return task
+
+
+def training_questions(task: Task, tokenizer, args) -> list[dict]:
+    """The training questions whose prompts, in the run's prompt style, fit --max-prompt-length.
+
+    Raises:
+        UsageError: fewer than --prompts-per-step of them.
+    """
+    style = prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
+    return prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style)
