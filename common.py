@@ -600,12 +600,14 @@ class RunLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.is_main, self.history, self.checkpoint = rank == 0, {}, run_dir / "checkpoint.pt"
-        self.name, self.postfix, self.bar, self.writer = name, postfix, None, None
+        self.name, self.postfix, self.bar, self.writer, self.wandb = name, postfix, None, None, None
         if not self.is_main:
             return
         flags = dataclasses.asdict(args)
         if getattr(args, "track", False):
             import wandb
+
+            self.wandb = wandb
 
             try:
                 wandb.init(
@@ -671,8 +673,8 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-            if wandb_run := sys.modules.get("wandb") and sys.modules["wandb"].run:
-                wandb_run.finish()
+            if self.wandb is not None:  # --track: ends the run (and writes an offline one out)
+                self.wandb.finish()
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
