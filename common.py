@@ -1324,6 +1324,22 @@ def bf16_sampler(policy):
     return sampler
 
 
+def sampler_for(policy, args: Any, per_call: int) -> tuple[Any, dict]:
+    """What samples step 1 of both LM scripts: the policy itself, or with --fast-generation its bf16
+    copy (:func:`bf16_sampler`), and :func:`generate_completions`' options from the flags
+    (temperature, top-p, --max-new-tokens, ``per_call`` prompts per call, bf16, the static cache).
+    ``record`` is on when the sampler is not the trained module in float32: its own log probs are
+    then kept, for the mismatch log and TIS."""
+    model = bf16_sampler(policy) if args.fast_generation else policy
+    record = model is not policy or bf16_active(policy.device, args.bf16)
+    options = dict(
+        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens
+    )
+    options.update(per_call=per_call, record=record, static_cache=args.fast_generation)
+    options["bf16"] = args.bf16 and not args.fast_generation
+    return model, options
+
+
 def refresh_sampler(sampler, policy) -> None:
     """Copy the policy's weights into its bf16 sampler copy, in place (nothing to do when they are
     one)."""

@@ -749,7 +749,7 @@ def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: in
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
     sampler_logp = None
-    if sampler.record and row_logps is not None:
+    if sampler.options["record"] and row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples, texts, sampler_logp)
@@ -806,10 +806,9 @@ class Sampler:
     """What steps 1-2 sample with and score by, made once by :func:`make_sampler`."""
 
     model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
-    record: bool  # keep the sampler's own log probs: it is not the trained module (or runs in bf16)
-    options: (
-        dict  # common.generate_completions' sampling options (temperature, top-p, lengths, ...)
-    )
+    # common.generate_completions' options (temperature, top-p, lengths, ...); its "record": keep
+    # the sampler's own log probs (it is not the trained module, or runs in bf16)
+    options: dict
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
     task: tasks.Task
@@ -834,18 +833,8 @@ def make_sampler(
     distribution than the ratio and the KL assume: the gap is logged every step
     (sampling/logp_diff_*) and --tis-cap corrects it.
     """
-    model = common.bf16_sampler(policy) if args.fast_generation else policy
-    record = model is not policy or common.bf16_active(policy.device, args.bf16)
-    options = dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        per_call=args.generation_groups_per_call,
-        record=record,
-        bf16=args.bf16 and not args.fast_generation,
-        static_cache=args.fast_generation,
-    )
-    return Sampler(model, record, options, tokenizer, questions, task, reward_model, rank, world)
+    model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
+    return Sampler(model, options, tokenizer, questions, task, reward_model, rank, world)
 
 
 # ----------------------------------------------------------------------------------------------
