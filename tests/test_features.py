@@ -244,17 +244,11 @@ def test_ppo_track_writes_an_offline_wandb_run(
 # ----------------------------------------------------------------------------------------------
 # Resume keeps what defines the run's data and objective (issue 27)
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
-def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp_path, reward_file):
-    # the same paths with other contents: the data and the reward of the steps left would not be the
-    # run's
-    module = __import__(module)
-    rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(30)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def one_step_run(module, model_dir, tmp_path, **flags) -> dict:
+    """The flags of a 1-step tiny run of either LM script into ``tmp_path/run``, to resume."""
     size = dict(group_size=4) if module is grpo_lm else {}
-    kw = dict(
-        model_name_or_path=str(tiny_model_dir),
+    return dict(
+        model_name_or_path=str(model_dir),
         runs_dir=str(tmp_path),
         run_name="run",
         prompts_per_step=4,
@@ -265,9 +259,21 @@ def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp
         total_steps=1,
         seed=3,
         torch_threads=1,
-        dataset=str(data),
-        reward_fn=[f"{reward_file}:digits"],
         **size,
+        **flags,
+    )
+
+
+@pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
+def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp_path, reward_file):
+    # the same paths with other contents: the data and the reward of the steps left would not be the
+    # run's
+    module = __import__(module)
+    rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(30)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kw = one_step_run(
+        module, tiny_model_dir, tmp_path, dataset=str(data), reward_fn=[f"{reward_file}:digits"]
     )
     module.main(module.Args(**kw))
     ckpt = str(tmp_path / "run" / "checkpoint.pt")
@@ -306,22 +312,8 @@ def test_resume_refuses_a_change_of_task_prompt_or_reward(
     module, change, tiny_model_dir, tmp_path, reward_file
 ):
     module = __import__(module)
-    size = dict(group_size=4) if module is grpo_lm else {}
-    kw = dict(
-        model_name_or_path=str(tiny_model_dir),
-        runs_dir=str(tmp_path),
-        run_name="run",
-        prompts_per_step=4,
-        max_new_tokens=4,
-        eval_size=4,
-        eval_every=0,
-        sample_every=0,
-        total_steps=1,
-        seed=3,
-        torch_threads=1,
-        reward_fn=["task"] if "reward_weights" in change else [],
-        **size,
-    )
+    task_spec = ["task"] if "reward_weights" in change else []
+    kw = one_step_run(module, tiny_model_dir, tmp_path, reward_fn=task_spec)
     module.main(module.Args(**kw))
     flag = common.flag_name(next(iter(change)))
     with pytest.raises(common.UsageError, match=rf"^{flag}: cannot change when resuming"):
