@@ -1,0 +1,176 @@
+"""The README's main job, old against new, back to back on this machine (issue 24).
+
+    python benchmarks/main_job.py --old a5430ef --seeds 1 2 3   # writes main_job_results.md
+
+For each seed it runs `python grpo_lm.py --group-size 8 --seed S` (the main job, only its seed and
+run directory set) from a copy of the git ref ``--old``, then from this working tree, one at a time,
+each from an empty model cache (so the GGUF conversion is in both). From each run's TensorBoard
+events it reads the held-out accuracy of every evaluation and the per-phase seconds (loading with
+the first evaluation, generation, training, the later evaluations, the rest), and from the process
+its wall time and peak RSS. Then each final model is evaluated on the held-out problems phrased
+another way ("What is a + b? Give the final answer as a number."): problems the training never saw,
+in a prompt it never saw. Writes a table of both sides and the ratios new / old, with the CPU
+(`lscpu` model and flags) and the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REPHRASED = "What is {a} + {b}? Give the final answer as a number."
+
+
+def cpu() -> str:
+    """`lscpu`'s model name and the flags that decide CPU speed-ups (bf16, AMX, AVX-512)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = re.search(r"Model name:\s*(.*)", out)
+    flags = re.search(r"Flags:\s*(.*)", out)
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
+    have = [f for f in wanted if flags and f in flags[1].split()]
+    return f"{os.cpu_count()} cores, {model[1] if model else '?'}, flags: {' '.join(have)}"
+
+
+def scalars(run_dir: Path) -> dict[str, list]:
+    """{tag: [(wall_time, step, value), ...]} from the run's TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {
+        tag: [(e.wall_time, e.step, e.value) for e in acc.Scalars(tag)]
+        for tag in acc.Tags()["scalars"]
+    }
+
+
+def run(tree: Path, seed: int, out: Path, name: str) -> dict:
+    """One main job from ``tree``; its wall time, peak RSS, phases and accuracies."""
+    home = Path(tempfile.mkdtemp(prefix="main-job-home-"))
+    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    cmd = [sys.executable, "grpo_lm.py", "--group-size", "8", "--seed", str(seed)]
+    cmd += ["--runs-dir", str(out), "--run-name", name]
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.time() - start
+    assert os.waitstatus_to_exitcode(status) == 0, f"{cmd} failed"
+    s = scalars(out / name)
+    evals = s["eval/accuracy"]
+    gen = sum(v for _, _, v in s["time/generation_s"])
+    train = sum(v for _, _, v in s["time/training_s"])
+    times = sorted(t for rows in s.values() for t, _, _ in rows)
+    # an evaluation's seconds: from the scalar logged before it to its own (the first one also
+    # holds the loading: nothing is logged before it)
+    later = sum(t - max(x for x in times if x < t) for t, step, _ in evals[1:])
+    loading = evals[0][0] - start
+    return {
+        "wall_s": wall,
+        "peak_rss_gb": usage.ru_maxrss / 2**20,  # KiB on Linux
+        "loading_and_first_eval_s": loading,
+        "generation_s": gen,
+        "training_s": train,
+        "later_evals_s": later,
+        "rest_s": wall - loading - gen - train - later,
+        "accuracy": [(step, v) for _, step, v in evals],
+        "rephrased": rephrased_accuracy(tree, out / name / "final_model", out, env),
+    }
+
+
+def rephrased_accuracy(tree: Path, model: Path, out: Path, env: dict) -> float:
+    """Greedy accuracy of ``model`` on the 128 held-out addition problems phrased another way."""
+    sys.path.insert(0, str(ROOT))
+    import tasks  # the held-out split is fixed by tasks.SPLIT_SEED, the same in both trees
+
+    held_out = tasks.make_addition_task(128).test
+    rows = [re.fullmatch(r"What is (\d+) \+ (\d+)\?", q["question"]).groups() for q in held_out]
+    data = out / "rephrased.jsonl"
+    lines = [
+        json.dumps({"question": REPHRASED.format(a=a, b=b), "answer": str(int(a) + int(b))})
+        for a, b in rows
+    ]
+    lines.append(lines[0])  # --dataset holds out the first --eval-size rows: one more to train on
+    data.write_text("\n".join(lines) + "\n")
+    name = f"{model.parent.name}_rephrased"
+    cmd = [sys.executable, "grpo_lm.py", "--eval-only", "--model-name-or-path", str(model)]
+    cmd += ["--dataset", str(data), "--eval-size", "128", "--runs-dir", str(out)]
+    subprocess.run(cmd + ["--run-name", name], cwd=tree, env=env, check=True)
+    return json.loads((out / name / "eval.json").read_text())["accuracy"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--old", required=True, help="git ref of today's main job")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "main_job_results.md"))
+    opts = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="main-job-"))
+    old = work / "old"
+    old.mkdir()
+    archive = subprocess.run(["git", "archive", opts.old], cwd=ROOT, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    results = {}
+    for seed in opts.seeds:
+        for side, tree in (("old", old), ("new", ROOT)):
+            results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}")
+            print(side, seed, json.dumps(results[side, seed]), flush=True)
+    write(results, opts)
+
+
+def write(results: dict, opts) -> None:
+    mean = {
+        side: {
+            key: sum(results[side, s][key] for s in opts.seeds) / len(opts.seeds)
+            for key in results["old", opts.seeds[0]]
+            if key != "accuracy"
+        }
+        for side in ("old", "new")
+    }
+    for side in ("old", "new"):
+        mean[side]["final_accuracy"] = sum(
+            results[side, s]["accuracy"][-1][1] for s in opts.seeds
+        ) / len(opts.seeds)
+    keys = list(mean["old"])
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    lines = [
+        "# The main job, old against new (issue 24)",
+        "",
+        f"CPU: {cpu()}. Date: {time.strftime('%Y-%m-%d')}. Old: `{opts.old}`; new: the working tree"
+        f" at `{head.stdout.decode().strip()}`.",
+        "",
+        f"Command: `python benchmarks/main_job.py --old {opts.old} --seeds "
+        f"{' '.join(map(str, opts.seeds))}`; each run is `python grpo_lm.py --group-size 8 --seed "
+        "S` from an empty model cache, one at a time.",
+        "",
+        "| mean over seeds | old | new | new / old |",
+        "|-|-|-|-|",
+        *[
+            f"| {k} | {mean['old'][k]:.3f} | {mean['new'][k]:.3f} | "
+            f"{mean['new'][k] / mean['old'][k] if mean['old'][k] else float('nan'):.2f} |"
+            for k in keys
+        ],
+        "",
+        "| run | held-out accuracy per evaluation (step: accuracy) | rephrased | wall |",
+        "|-|-|-|-|",
+        *[
+            f"| {side} seed {s} | "
+            + ", ".join(f"{st}: {v:.3f}" for st, v in results[side, s]["accuracy"])
+            + f" | {results[side, s]['rephrased']:.3f} | "
+            + f"{results[side, s]['wall_s'] / 60:.1f} min |"
+            for s in opts.seeds
+            for side in ("old", "new")
+        ],
+    ]
+    Path(opts.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
