@@ -510,45 +510,10 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
 
 
 # ---- the scripts' task flags and prompts -------------------------------------------------------
-def make_task(
-    name: str,
-    dataset: str | None,
-    eval_size: int,
-    prompt_field: str,
-    answer_field: str,
-    answer_format: str,
-    format_reward: float,
-    reward_fns: list[str],
-    reward_weights: list[float],
-) -> Task:
-    """The task of --task or --dataset; with --answer-format think, answers read from the
-    ``<answer>`` block and ``format_reward`` paid for the format (plain: as the task pays it); with
-    --reward-fn, rewarded by the functions' sum weighted by --reward-weights (``task``: the task's
-    own). UsageError: a bad dataset or reward file (naming flag, file and line)."""
-    plain = format_reward if answer_format == "plain" else 0.0
-    if dataset is not None:
-        numeric = not reward_fns or "task" in reward_fns  # the built-in reward compares numbers
-        task = load_jsonl_task(dataset, eval_size, plain, prompt_field, answer_field, numeric)
-    elif name == "multistep":
-        task = make_multistep_task(eval_size, plain)
-    elif name == "countdown":
-        task = make_countdown_task(eval_size, plain, think=answer_format == "think")
-    else:
-        task = make_addition_task(eval_size, plain)
-    if answer_format == "think":
-        task = with_think_answer_format(task, format_reward)
-    if reward_fns:
-        files = load_reward_fns([spec for spec in reward_fns if spec != "task"])
-        own = ("task", task.reward_fn)
-        task.reward_fns = [own if spec == "task" else files.pop(0) for spec in reward_fns]
-        task.reward_weights = list(reward_weights) or None
-    return task
-
-
 def check_task_flags(
     format_reward, reward_fns, reward_weights, prompt_field, answer_field, system_prompt, prefix
 ) -> None:
-    """The flags of :func:`make_task` and of the prompts, checked before any file is read
+    """The flags of :func:`task_of` and of the prompts, checked before any file is read
     (--task and --answer-format are ``Literal`` flags). UsageError naming the flag: not one finite
     weight per function; a --format-reward that --reward-fn without ``task`` drops; ``task`` twice,
     or beside a function of that name; a lone surrogate; one field for prompt and answer."""
@@ -570,14 +535,6 @@ def check_task_flags(
     check_text(prompt_field, "--prompt-field")
     check_text(answer_field, "--answer-field")
     check(prompt_field != answer_field, "--prompt-field and --answer-field must name two fields")
-
-
-def check_split(task: Task, prompts_per_step: int, eval_size: int, dataset: str | None) -> None:
-    """UsageError (naming --dataset or --eval-size) unless ``prompts_per_step`` training questions
-    are left once ``eval_size`` are held out."""
-    flag = f"--dataset: {dataset}" if dataset else f"--eval-size {eval_size}"
-    left = f"{len(task.test)} held out for evaluation leave {len(task.train)} questions to train on"
-    check(len(task.train) >= prompts_per_step, f"{flag}: {left}, under --prompts-per-step")
 
 
 def prompt_style(answer_format: str, system_prompt: str | None, response_prefix: str):
@@ -615,20 +572,6 @@ def prompt_ids(tokenizer, questions: list[str], system_prompt=None, response_pre
     return tokenizer(prompts, add_special_tokens=False)["input_ids"]
 
 
-def prompts_that_fit(
-    task, tokenizer, max_prompt_length, prompts_per_step, system_prompt=None, response_prefix=""
-) -> list[dict]:
-    """The training examples of ``task`` whose prompts (:func:`build_prompt`) have at most
-    ``max_prompt_length`` tokens; UsageError (naming --max-prompt-length) when fewer than
-    ``prompts_per_step`` fit."""
-    questions = [ex["question"] for ex in task.train]
-    ids = prompt_ids(tokenizer, questions, system_prompt, response_prefix)
-    train = [ex for ex, n in zip(task.train, map(len, ids), strict=True) if n <= max_prompt_length]
-    fit = f"--max-prompt-length {max_prompt_length}: only {len(train)} training prompts fit"
-    check(len(train) >= prompts_per_step, f"{fit}, fewer than --prompts-per-step")
-    return train
-
-
 @torch.no_grad()
 def greedy_accuracy(
     policy,
@@ -663,25 +606,43 @@ def greedy_accuracy(
 
 
 def task_of(args) -> Task:
-    """The task an LM script's flags name (:func:`make_task`), with enough training questions for a
-    step once --eval-size are held out (:func:`check_split`). Both scripts read the same flags.
-
-    Raises:
-        UsageError: a bad --dataset or --reward-fn, or too few questions.
-    """
-    fields = (args.prompt_field, args.answer_field, args.answer_format, args.format_reward)
-    task = make_task(
-        args.task, args.dataset, args.eval_size, *fields, args.reward_fn, args.reward_weights
-    )
-    check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    """The task of the LM scripts' flags: --task or --dataset; with --answer-format think, answers
+    read from the ``<answer>`` block and --format-reward paid for the format (plain: as the task
+    pays it); with --reward-fn, rewarded by the functions' sum weighted by --reward-weights
+    (``task``: the task's own). UsageError: a bad dataset or reward file (naming flag, file and
+    line), or fewer than --prompts-per-step questions left once --eval-size are held out."""
+    think = args.answer_format == "think"
+    plain = 0.0 if think else args.format_reward
+    if args.dataset is not None:
+        numeric = not args.reward_fn or "task" in args.reward_fn  # the built-in reward: numbers
+        fields = (args.prompt_field, args.answer_field, numeric)
+        task = load_jsonl_task(args.dataset, args.eval_size, plain, *fields)
+    elif args.task == "multistep":
+        task = make_multistep_task(args.eval_size, plain)
+    elif args.task == "countdown":
+        task = make_countdown_task(args.eval_size, plain, think=think)
+    else:
+        task = make_addition_task(args.eval_size, plain)
+    if think:
+        task = with_think_answer_format(task, args.format_reward)
+    if args.reward_fn:
+        files = load_reward_fns([spec for spec in args.reward_fn if spec != "task"])
+        own = ("task", task.reward_fn)
+        task.reward_fns = [own if spec == "task" else files.pop(0) for spec in args.reward_fn]
+        task.reward_weights = list(args.reward_weights) or None
+    flag = f"--dataset: {args.dataset}" if args.dataset else f"--eval-size {args.eval_size}"
+    left = f"{len(task.test)} held out for evaluation leave {len(task.train)} questions to train on"
+    check(len(task.train) >= args.prompts_per_step, f"{flag}: {left}, under --prompts-per-step")
     return task
 
 
 def training_questions(task: Task, tokenizer, args) -> list[dict]:
-    """The training questions whose prompts, in the run's prompt style, fit --max-prompt-length.
-
-    Raises:
-        UsageError: fewer than --prompts-per-step of them.
-    """
+    """The training examples whose prompts, in the run's prompt style, have at most
+    --max-prompt-length tokens. UsageError: fewer than --prompts-per-step of them."""
     style = prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
-    return prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style)
+    ids = prompt_ids(tokenizer, [ex["question"] for ex in task.train], *style)
+    fits = [len(row) <= args.max_prompt_length for row in ids]
+    train = [ex for ex, fit in zip(task.train, fits, strict=True) if fit]
+    fit = f"--max-prompt-length {args.max_prompt_length}: only {len(train)} training prompts fit"
+    check(len(train) >= args.prompts_per_step, f"{fit}, fewer than --prompts-per-step")
+    return train

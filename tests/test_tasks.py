@@ -787,17 +787,7 @@ def countdown_think_task():
     import grpo_lm
 
     args = grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4)
-    return tasks.make_task(
-        args.task,
-        args.dataset,
-        args.eval_size,
-        args.prompt_field,
-        args.answer_field,
-        args.answer_format,
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-    )
+    return tasks.task_of(args)
 
 
 @pytest.mark.parametrize(
