@@ -2,22 +2,21 @@
 answer checking, DeepSeek-R1's think/answer format, reward functions from files, scoring a batch,
 prompts. Model text is parsed, never evaluated. Bring your own task: build a :class:`Task`."""
 
-from __future__ import annotations
-
 import ast
 import bisect
+import collections
 import functools
 import inspect
 import json
 import math
 import numbers
-import operator
 import random
 import re
 import runpy
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from operator import add, mul, sub, truediv
 from pathlib import Path
 
 import numpy as np
@@ -123,9 +122,8 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
     try:
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(
-            f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
-        ) from None
+        byte = f"byte 0x{line[e.start]:02x} at column {e.start + 1}"
+        raise ValueError(f"not UTF-8 ({byte})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
@@ -232,12 +230,7 @@ def with_think_answer_format(task: Task, format_weight: float = 0.1) -> Task:
 
 
 # ---- Countdown (as TinyZero, nano-aha-moment and GRPO-Zero ship it) ----------------------------
-_OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-}
+_OPS = {ast.Add: add, ast.Sub: sub, ast.Mult: mul, ast.Div: truediv}
 
 
 def _arithmetic(node: ast.AST, number: Callable, unary: bool):
@@ -311,7 +304,7 @@ def make_countdown_task(
     T the value of a random ``example["solution"]``; no problem twice. :func:`countdown_reward` and
     :func:`countdown_correct`; ``think``: both read all their text (the ``<answer>`` block)."""
     rng = random.Random(SPLIT_SEED)
-    problems, seen = [], set()
+    problems = {}  # by (sorted numbers, target): the first of each, so no problem twice
     while len(problems) < num_problems:
         numbers = [rng.randint(1, 99) for _ in range(4)]
         pool = [(n, str(n)) for n in numbers]  # combined in random order by random operators
@@ -324,17 +317,15 @@ def make_countdown_task(
             value = {"+": a + b, "*": a * b, "-": a - b, "/": a // b}[op]
             pool.append((value, f"{left} {op} {right}"))
         [(target, solution)] = pool
-        if not 1 <= target <= 100 or (tuple(sorted(numbers)), target) in seen:
-            continue
-        seen.add((tuple(sorted(numbers)), target))
         question = (
             f"Using the numbers {numbers} once each with + - * / and parentheses, make {target}. "
             "Show your reasoning in <think> </think> tags, then write only the expression in "
             "<answer> </answer> tags, for example <answer> (1 + 2) * 3 </answer>."
         )
         example = dict(question=question, answer=str(target), numbers=numbers, target=target)
-        problems.append({**example, "solution": solution})
-    split = _split(problems, num_test, "task 'countdown'")
+        if 1 <= target <= 100:
+            problems.setdefault((tuple(sorted(numbers)), target), {**example, "solution": solution})
+    split = _split(list(problems.values()), num_test, "task 'countdown'")
     if think:  # True / False is the reward
         return Task("countdown", *split, countdown_expression_correct, countdown_expression_correct)
     reward = functools.partial(countdown_reward, format_reward=format_reward)
@@ -380,21 +371,19 @@ def make_multistep_task(
     """ "Compute (a + b) * c - d", one calculation a line (a, b, d in 1..20, c in 2..9), with the
     reference ``solution``; the final-number reward."""
     rng = random.Random(SPLIT_SEED)
-    problems, seen = [], set()
+    problems = {}  # by (a, b, c, d): the first of each, so no problem twice
     while len(problems) < num_problems:
         a, b, c, d = rng.randint(1, 20), rng.randint(1, 20), rng.randint(2, 9), rng.randint(1, 20)
-        if (a, b, c, d) in seen:
-            continue
-        seen.add((a, b, c, d))
         s, p = a + b, (a + b) * c
         question = (
             f"Compute ({a} + {b}) * {c} - {d}. Write each calculation on its own line in the form "
             "x + y = z, and end with the result."
         )
         solution = f"{a} + {b} = {s}\n{s} * {c} = {p}\n{p} - {d} = {p - d}"
-        problems.append({"question": question, "answer": str(p - d), "solution": solution})
+        example = {"question": question, "answer": str(p - d), "solution": solution}
+        problems.setdefault((a, b, c, d), example)
     reward = functools.partial(outcome_reward, format_reward=format_reward)
-    split = _split(problems, num_test, "task 'multistep'")
+    split = _split(list(problems.values()), num_test, "task 'multistep'")
     return Task("multistep", *split, reward, number_matches)
 
 
@@ -408,7 +397,6 @@ def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[
 
 # ---- scoring a batch: the user's functions checked, one line per failure -----------------------
 _USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)  # issue 27: sys.exit() in user code too
-_FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are float32 tensors
 
 
 def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first=0, unit=False):
@@ -425,7 +413,7 @@ def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first
             raise UsageError(f"{what} raised {type(e).__name__}: {_one_line(e)} {where}") from None
         if not isinstance(value, (numbers.Real, np.bool_)):
             raise UsageError(f"{what} returned {type(value).__name__} {where}; expected {expected}")
-        if not abs(value) <= _FLOAT32_MAX or (unit and not 0 <= value <= 1):
+        if not abs(value) <= torch.finfo(torch.float32).max or (unit and not 0 <= value <= 1):
             raise UsageError(f"{what} returned {_one_line(value, 40)} {where}; expected {expected}")
         scores.append(float(value))
     return scores
@@ -475,7 +463,8 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
     run once (:func:`runpy.run_path`). The log name is the function's, ``file_stem.name`` when two
     share it, then ``_2``, ``_3``... for a spec given again. UsageError naming the spec: a bad
     spec, file or function, or one that does not take (completion, example)."""
-    files, loaded = {}, []
+    names = [spec.rpartition(":")[2] for spec in specs]
+    files, loaded, given = {}, [], collections.Counter()
     for spec in specs:
         file, _, name = spec.rpartition(":")
         where = f"--reward-fn {spec}"
@@ -499,14 +488,10 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
             raise UsageError(f"{where}: must take (completion, example): {_one_line(e)}") from None
         except ValueError:  # no signature to inspect (a builtin): its first call will tell
             pass
-        loaded.append((name, Path(file).stem, fn))
-    names = [name for name, _, _ in loaded]
-    labels = [name if names.count(name) == 1 else f"{stem}.{name}" for name, stem, _ in loaded]
-    repeats = [labels[:i].count(label) for i, label in enumerate(labels)]  # a spec given again
-    fns = [fn for _, _, fn in loaded]
-    return [
-        (f"{lb}_{k + 1}" if k else lb, fn) for lb, k, fn in zip(labels, repeats, fns, strict=True)
-    ]
+        label = name if names.count(name) == 1 else f"{Path(file).stem}.{name}"
+        given[label] += 1  # a spec given again: label_2, label_3...
+        loaded.append((label if given[label] == 1 else f"{label}_{given[label]}", fn))
+    return loaded
 
 
 # ---- the scripts' task flags and prompts -------------------------------------------------------
@@ -520,15 +505,12 @@ def check_task_flags(
     counts = f"{len(reward_weights)} weights for {len(reward_fns)} functions (--reward-fn)"
     check(len(reward_weights) in (0, len(reward_fns)), f"--reward-weights: {counts}")
     check(all(map(math.isfinite, reward_weights)), "--reward-weights: must be finite numbers")
-    dropped = (
-        "is paid by the task's own reward, which --reward-fn replaces (add `--reward-fn task`)"
-    )
-    check(
-        not reward_fns or "task" in reward_fns or not format_reward, f"--format-reward: {dropped}"
-    )
+    own = "task" in reward_fns  # --reward-fn task: the task's own reward
+    dropped = "--format-reward: is paid by the task's own reward, which --reward-fn replaces"
+    check(own or not reward_fns or not format_reward, f"{dropped} (add `--reward-fn task`)")
     check(list(reward_fns).count("task") <= 1, "--reward-fn task: given twice; give it once")
     named_task = [s for s in reward_fns if s != "task" and s.rpartition(":")[2] == "task"]
-    if "task" in reward_fns and len(named_task) == 1:  # load_reward_fns names it by its name
+    if own and len(named_task) == 1:  # load_reward_fns names it by its name
         raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', as the task's own")
     check_text(system_prompt or "", "--system-prompt")
     check_text(prefix, "--response-prefix")
