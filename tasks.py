@@ -341,22 +341,19 @@ _STEP = re.compile(
 )
 
 
-def _arithmetic_value(expr: str) -> float | None:
-    expr = expr.replace("$", "").replace(",", "").replace("×", "*").strip()
-    try:
-        return _arithmetic(ast.parse(expr, mode="eval").body, float, unary=True)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-
-
 def find_arithmetic_steps(text: str) -> list[tuple[int, bool]]:
     """Each equation ``x op y (op z ...) = w`` (``+ - * / ×``, parentheses, ``$``, ``1,234``,
     GSM8K's ``<<48/2=24>>``) as (end offset after its last digit, right within a relative 1e-4)."""
     steps = []
     for m in _STEP.finditer(text):
-        lhs, rhs = _arithmetic_value(m.group(1)), _arithmetic_value(m.group(2).replace(" ", ""))
-        ok = lhs is not None and rhs is not None
-        steps.append((m.end(), ok and math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)))
+        sides = (m.group(1), m.group(2).replace(" ", ""))
+        sides = [s.replace("$", "").replace(",", "").replace("×", "*").strip() for s in sides]
+        try:
+            lhs, rhs = (_arithmetic(ast.parse(s, mode="eval").body, float, True) for s in sides)
+            ok = math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
+        except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+            ok = False
+        steps.append((m.end(), ok))
     return steps
 
 
