@@ -398,8 +398,7 @@ _USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)  # issue 27: sys.exit(
 
 def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first=0, unit=False):
     """``float(fn(text, example))`` each; UsageError naming ``what`` and the index when ``fn``
-    raises or returns a non-number (bools count), one not finite in float32, or with ``unit`` one
-    not in [0, 1]."""
+    raises, returns a non-number (bools count), one not finite in float32 or (``unit``) not 0..1."""
     expected = "True/False or a number in [0, 1]" if unit else "a finite number (float32)"
     scores = []
     for i, (text, example) in enumerate(zip(texts, examples, strict=True), first):
@@ -495,10 +494,9 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
 def check_task_flags(
     format_reward, reward_fns, reward_weights, prompt_field, answer_field, system_prompt, prefix
 ) -> None:
-    """The flags of :func:`task_of` and of the prompts, checked before any file is read
-    (--task and --answer-format are ``Literal`` flags). UsageError naming the flag: not one finite
-    weight per function; a --format-reward that --reward-fn without ``task`` drops; ``task`` twice,
-    or beside a function of that name; a lone surrogate; one field for prompt and answer."""
+    """The flags of :func:`task_of` and the prompts, before any file is read. UsageError naming the
+    flag: not one finite weight per function; a --format-reward that --reward-fn without ``task``
+    drops; ``task`` twice or beside a function so named; a lone surrogate; one field for both."""
     counts = f"{len(reward_weights)} weights for {len(reward_fns)} functions (--reward-fn)"
     check(len(reward_weights) in (0, len(reward_fns)), f"--reward-weights: {counts}")
     check(all(map(math.isfinite, reward_weights)), "--reward-weights: must be finite numbers")
@@ -565,9 +563,8 @@ def greedy_accuracy(
     task_name: str = "task",
     answer_format: str = "plain",
 ) -> tuple[float, list[str]]:
-    """(fraction of ``examples`` that ``correct_fn`` finds right, responses) by greedy decoding of
-    :func:`build_prompt`'s prompts; a response is the prefix + completion. UsageError: as
-    :func:`score_correct`."""
+    """(fraction of ``examples`` that ``correct_fn`` finds right, responses: prefix + completion)
+    by greedy decoding of :func:`build_prompt`'s prompts. UsageError: as :func:`score_correct`."""
     style = prompt_style(answer_format, system_prompt, response_prefix)
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     what, correct, outputs = f"correct_fn of task {task_name!r}", 0, []
@@ -585,11 +582,10 @@ def greedy_accuracy(
 
 
 def task_of(args) -> Task:
-    """The task of the LM scripts' flags: --task or --dataset; with --answer-format think, answers
-    read from the ``<answer>`` block and --format-reward paid for the format (plain: as the task
-    pays it); with --reward-fn, rewarded by the functions' sum weighted by --reward-weights
-    (``task``: the task's own). UsageError: a bad dataset or reward file (naming flag, file and
-    line), or fewer than --prompts-per-step questions left once --eval-size are held out."""
+    """The task of --task or --dataset. --answer-format think: answers read from the ``<answer>``
+    block, --format-reward paid for the format (plain: as the task pays it). --reward-fn: rewards
+    are the functions' sum weighted by --reward-weights (``task``: the task's own). UsageError: a
+    bad dataset or reward file, or under --prompts-per-step questions left to train on."""
     think = args.answer_format == "think"
     plain = 0.0 if think else args.format_reward
     if args.dataset is not None:
