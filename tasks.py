@@ -182,10 +182,9 @@ def load_jsonl_task(
         raise UsageError(f"--dataset: cannot read {path}: {e.strerror or e}") from None
     random.Random(SPLIT_SEED).shuffle(examples)
     train, test = _split(examples, num_test, str(path))
-    if not numeric:  # answer_text_matches's True / False is the reward
-        return Task(Path(path).stem, train, test, answer_text_matches, answer_text_matches)
     reward = functools.partial(outcome_reward, format_reward=format_reward)
-    return Task(Path(path).stem, train, test, reward, number_matches)
+    fns = (reward, number_matches) if numeric else (answer_text_matches, answer_text_matches)
+    return Task(Path(path).stem, train, test, *fns)  # text: True / False is the reward
 
 
 # ---- the think/answer format of DeepSeek-R1 (arXiv 2501.12948, §2.2.2) -------------------------
