@@ -154,10 +154,8 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
         )
     elif not _normalise(final):
         raise ValueError(f"answer {_one_line(final, 60)!r} has no text to compare")
-    example = {**row, "question": prompt, "answer": final}
-    if gsm8k:
-        example["solution"] = solution.strip()
-    return example
+    solution = {"solution": solution.strip()} if gsm8k else {}
+    return {**row, "question": prompt, "answer": final, **solution}
 
 
 def load_jsonl_task(
@@ -296,9 +294,7 @@ def countdown_reward(response: str, example: dict, format_reward: float = 0.1) -
     return float(countdown_correct(response, example)) + block
 
 
-def make_countdown_task(
-    num_test: int = 128, format_reward: float = 0.1, num_problems: int = 10_000, think: bool = False
-) -> Task:
+def make_countdown_task(num_test=128, format_reward=0.1, num_problems=10_000, think=False) -> Task:
     """Countdown: "Using the numbers [a, b, c, d] (1..99) once each with + - * /, make T (1..100)",
     T the value of a random ``example["solution"]``; no problem twice. :func:`countdown_reward` and
     :func:`countdown_correct`; ``think``: both read all their text (the ``<answer>`` block)."""
@@ -340,11 +336,12 @@ _STEP = re.compile(
 )
 
 
-def find_arithmetic_steps(text: str) -> list[tuple[int, bool]]:
-    """Each equation ``x op y (op z ...) = w`` (``+ - * / ×``, parentheses, ``$``, ``1,234``,
-    GSM8K's ``<<48/2=24>>``) as (end offset after its last digit, right within a relative 1e-4)."""
+def arithmetic_step_rewards(completion: str, example=None) -> list[tuple[int, float]]:
+    """Process supervision's step rewards: each equation ``x op y (op z ...) = w`` (``+ - * / ×``,
+    parentheses, ``$``, ``1,234``, GSM8K's ``<<48/2=24>>``) as (end offset after its last digit,
+    1.0 if right within a relative 1e-4 else 0.0)."""
     steps = []
-    for m in _STEP.finditer(text):
+    for m in _STEP.finditer(completion):
         sides = (m.group(1), m.group(2).replace(" ", ""))
         sides = [s.replace("$", "").replace(",", "").replace("×", "*").strip() for s in sides]
         try:
@@ -352,18 +349,11 @@ def find_arithmetic_steps(text: str) -> list[tuple[int, bool]]:
             ok = math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
         except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
             ok = False
-        steps.append((m.end(), ok))
+        steps.append((m.end(), float(ok)))
     return steps
 
 
-def arithmetic_step_rewards(completion: str, example: dict) -> list[tuple[int, float]]:
-    """Process supervision's step rewards: (end offset, 1.0 or 0.0) per equation."""
-    return [(end, float(ok)) for end, ok in find_arithmetic_steps(completion)]
-
-
-def make_multistep_task(
-    num_test: int = 128, format_reward: float = 0.0, num_problems: int = 10_000
-) -> Task:
+def make_multistep_task(num_test=128, format_reward=0.0, num_problems=10_000) -> Task:
     """ "Compute (a + b) * c - d", one calculation a line (a, b, d in 1..20, c in 2..9), with the
     reference ``solution``; the final-number reward."""
     rng = random.Random(SPLIT_SEED)

@@ -887,7 +887,7 @@ def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
 
     start = time.perf_counter()
     assert (
-        tasks.find_arithmetic_steps(
+        tasks.arithmetic_step_rewards(
             " + ".join(["1"] * 10) + " apples, " + " + ".join(["2"] * 200) + " pears"
         )
         == []
@@ -901,10 +901,10 @@ def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
         "- $300 = $142.\n#### 142"
     )
     first = text.index("=442") + len("=442")
-    assert tasks.find_arithmetic_steps(text) == [
+    assert tasks.arithmetic_step_rewards(text) == [
         (first, True),
         (text.index("= $142") + len("= $142"), True),
     ]
-    assert tasks.find_arithmetic_steps(
+    assert tasks.arithmetic_step_rewards(
         "( 3 + 4 ) * 2 = 14, then -2 * ( 5 ) = -10 and 7 -  - 1 = 9"
     ) == [(18, True), (41, True), (58, False)]
