@@ -880,7 +880,7 @@ TEST0 = {
 # ---------------------------------------------------------------------------------------------
 # Process supervision's step finder on model-like text
 # ---------------------------------------------------------------------------------------------
-def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
+def test_arithmetic_step_rewards_are_fast_on_long_sums_without_equals():
     """A chain of terms not followed by '=' took 6**n backtracking steps (1 + 1 + ... 10 terms: 6 s;
     12: 4 min)."""
     import time
