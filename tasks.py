@@ -321,10 +321,9 @@ def make_countdown_task(num_test=128, format_reward=0.1, num_problems=10_000, th
         if 1 <= target <= 100:
             problems.setdefault((tuple(sorted(numbers)), target), {**example, "solution": solution})
     split = _split(list(problems.values()), num_test, "task 'countdown'")
-    if think:  # True / False is the reward
-        return Task("countdown", *split, countdown_expression_correct, countdown_expression_correct)
     reward = functools.partial(countdown_reward, format_reward=format_reward)
-    return Task("countdown", *split, reward, countdown_correct)
+    fns = (countdown_expression_correct,) * 2 if think else (reward, countdown_correct)
+    return Task("countdown", *split, *fns)  # think: True / False is the reward
 
 
 # ---- process supervision: a multi-step task, checkable steps, char -> token offsets ------------
