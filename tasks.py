@@ -2,22 +2,21 @@
 answer checking, DeepSeek-R1's think/answer format, reward functions from files, scoring a batch,
 prompts. Model text is parsed, never evaluated. Bring your own task: build a :class:`Task`."""
 
-from __future__ import annotations
-
 import ast
 import bisect
+import collections
 import functools
 import inspect
 import json
 import math
 import numbers
-import operator
 import random
 import re
 import runpy
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from operator import add, mul, sub, truediv
 from pathlib import Path
 
 import numpy as np
@@ -123,9 +122,8 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
     try:
         row = json.loads(line.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ValueError(
-            f"not UTF-8 (byte 0x{line[e.start]:02x} at column {e.start + 1})"
-        ) from None
+        byte = f"byte 0x{line[e.start]:02x} at column {e.start + 1}"
+        raise ValueError(f"not UTF-8 ({byte})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(row, dict):
@@ -156,10 +154,8 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
         )
     elif not _normalise(final):
         raise ValueError(f"answer {_one_line(final, 60)!r} has no text to compare")
-    example = {**row, "question": prompt, "answer": final}
-    if gsm8k:
-        example["solution"] = solution.strip()
-    return example
+    solution = {"solution": solution.strip()} if gsm8k else {}
+    return {**row, "question": prompt, "answer": final, **solution}
 
 
 def load_jsonl_task(
@@ -184,10 +180,9 @@ def load_jsonl_task(
         raise UsageError(f"--dataset: cannot read {path}: {e.strerror or e}") from None
     random.Random(SPLIT_SEED).shuffle(examples)
     train, test = _split(examples, num_test, str(path))
-    if not numeric:  # answer_text_matches's True / False is the reward
-        return Task(Path(path).stem, train, test, answer_text_matches, answer_text_matches)
     reward = functools.partial(outcome_reward, format_reward=format_reward)
-    return Task(Path(path).stem, train, test, reward, number_matches)
+    fns = (reward, number_matches) if numeric else (answer_text_matches, answer_text_matches)
+    return Task(Path(path).stem, train, test, *fns)  # text: True / False is the reward
 
 
 # ---- the think/answer format of DeepSeek-R1 (arXiv 2501.12948, §2.2.2) -------------------------
@@ -232,12 +227,7 @@ def with_think_answer_format(task: Task, format_weight: float = 0.1) -> Task:
 
 
 # ---- Countdown (as TinyZero, nano-aha-moment and GRPO-Zero ship it) ----------------------------
-_OPS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-}
+_OPS = {ast.Add: add, ast.Sub: sub, ast.Mult: mul, ast.Div: truediv}
 
 
 def _arithmetic(node: ast.AST, number: Callable, unary: bool):
@@ -304,14 +294,12 @@ def countdown_reward(response: str, example: dict, format_reward: float = 0.1) -
     return float(countdown_correct(response, example)) + block
 
 
-def make_countdown_task(
-    num_test: int = 128, format_reward: float = 0.1, num_problems: int = 10_000, think: bool = False
-) -> Task:
+def make_countdown_task(num_test=128, format_reward=0.1, num_problems=10_000, think=False) -> Task:
     """Countdown: "Using the numbers [a, b, c, d] (1..99) once each with + - * /, make T (1..100)",
     T the value of a random ``example["solution"]``; no problem twice. :func:`countdown_reward` and
     :func:`countdown_correct`; ``think``: both read all their text (the ``<answer>`` block)."""
     rng = random.Random(SPLIT_SEED)
-    problems, seen = [], set()
+    problems = {}  # by (sorted numbers, target): the first of each, so no problem twice
     while len(problems) < num_problems:
         numbers = [rng.randint(1, 99) for _ in range(4)]
         pool = [(n, str(n)) for n in numbers]  # combined in random order by random operators
@@ -324,21 +312,18 @@ def make_countdown_task(
             value = {"+": a + b, "*": a * b, "-": a - b, "/": a // b}[op]
             pool.append((value, f"{left} {op} {right}"))
         [(target, solution)] = pool
-        if not 1 <= target <= 100 or (tuple(sorted(numbers)), target) in seen:
-            continue
-        seen.add((tuple(sorted(numbers)), target))
         question = (
             f"Using the numbers {numbers} once each with + - * / and parentheses, make {target}. "
             "Show your reasoning in <think> </think> tags, then write only the expression in "
             "<answer> </answer> tags, for example <answer> (1 + 2) * 3 </answer>."
         )
         example = dict(question=question, answer=str(target), numbers=numbers, target=target)
-        problems.append({**example, "solution": solution})
-    split = _split(problems, num_test, "task 'countdown'")
-    if think:  # True / False is the reward
-        return Task("countdown", *split, countdown_expression_correct, countdown_expression_correct)
+        if 1 <= target <= 100:
+            problems.setdefault((tuple(sorted(numbers)), target), {**example, "solution": solution})
+    split = _split(list(problems.values()), num_test, "task 'countdown'")
     reward = functools.partial(countdown_reward, format_reward=format_reward)
-    return Task("countdown", *split, reward, countdown_correct)
+    fns = (countdown_expression_correct,) * 2 if think else (reward, countdown_correct)
+    return Task("countdown", *split, *fns)  # think: True / False is the reward
 
 
 # ---- process supervision: a multi-step task, checkable steps, char -> token offsets ------------
@@ -350,51 +335,40 @@ _STEP = re.compile(
 )
 
 
-def _arithmetic_value(expr: str) -> float | None:
-    expr = expr.replace("$", "").replace(",", "").replace("×", "*").strip()
-    try:
-        return _arithmetic(ast.parse(expr, mode="eval").body, float, unary=True)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-        return None
-
-
-def find_arithmetic_steps(text: str) -> list[tuple[int, bool]]:
-    """Each equation ``x op y (op z ...) = w`` (``+ - * / ×``, parentheses, ``$``, ``1,234``,
-    GSM8K's ``<<48/2=24>>``) as (end offset after its last digit, right within a relative 1e-4)."""
+def arithmetic_step_rewards(completion: str, example=None) -> list[tuple[int, float]]:
+    """Process supervision's step rewards: each equation ``x op y (op z ...) = w`` (``+ - * / ×``,
+    parentheses, ``$``, ``1,234``, GSM8K's ``<<48/2=24>>``) as (end offset after its last digit,
+    1.0 if right within a relative 1e-4 else 0.0)."""
     steps = []
-    for m in _STEP.finditer(text):
-        lhs, rhs = _arithmetic_value(m.group(1)), _arithmetic_value(m.group(2).replace(" ", ""))
-        ok = lhs is not None and rhs is not None
-        steps.append((m.end(), ok and math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)))
+    for m in _STEP.finditer(completion):
+        sides = (m.group(1), m.group(2).replace(" ", ""))
+        sides = [s.replace("$", "").replace(",", "").replace("×", "*").strip() for s in sides]
+        try:
+            lhs, rhs = (_arithmetic(ast.parse(s, mode="eval").body, float, True) for s in sides)
+            ok = math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
+        except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
+            ok = False
+        steps.append((m.end(), float(ok)))
     return steps
 
 
-def arithmetic_step_rewards(completion: str, example: dict) -> list[tuple[int, float]]:
-    """Process supervision's step rewards: (end offset, 1.0 or 0.0) per equation."""
-    return [(end, float(ok)) for end, ok in find_arithmetic_steps(completion)]
-
-
-def make_multistep_task(
-    num_test: int = 128, format_reward: float = 0.0, num_problems: int = 10_000
-) -> Task:
+def make_multistep_task(num_test=128, format_reward=0.0, num_problems=10_000) -> Task:
     """ "Compute (a + b) * c - d", one calculation a line (a, b, d in 1..20, c in 2..9), with the
     reference ``solution``; the final-number reward."""
     rng = random.Random(SPLIT_SEED)
-    problems, seen = [], set()
+    problems = {}  # by (a, b, c, d): the first of each, so no problem twice
     while len(problems) < num_problems:
         a, b, c, d = rng.randint(1, 20), rng.randint(1, 20), rng.randint(2, 9), rng.randint(1, 20)
-        if (a, b, c, d) in seen:
-            continue
-        seen.add((a, b, c, d))
         s, p = a + b, (a + b) * c
         question = (
             f"Compute ({a} + {b}) * {c} - {d}. Write each calculation on its own line in the form "
             "x + y = z, and end with the result."
         )
         solution = f"{a} + {b} = {s}\n{s} * {c} = {p}\n{p} - {d} = {p - d}"
-        problems.append({"question": question, "answer": str(p - d), "solution": solution})
+        example = {"question": question, "answer": str(p - d), "solution": solution}
+        problems.setdefault((a, b, c, d), example)
     reward = functools.partial(outcome_reward, format_reward=format_reward)
-    split = _split(problems, num_test, "task 'multistep'")
+    split = _split(list(problems.values()), num_test, "task 'multistep'")
     return Task("multistep", *split, reward, number_matches)
 
 
@@ -408,13 +382,11 @@ def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[
 
 # ---- scoring a batch: the user's functions checked, one line per failure -----------------------
 _USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)  # issue 27: sys.exit() in user code too
-_FLOAT32_MAX = torch.finfo(torch.float32).max  # rewards are float32 tensors
 
 
 def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first=0, unit=False):
     """``float(fn(text, example))`` each; UsageError naming ``what`` and the index when ``fn``
-    raises or returns a non-number (bools count), one not finite in float32, or with ``unit`` one
-    not in [0, 1]."""
+    raises, returns a non-number (bools count), one not finite in float32 or (``unit``) not 0..1."""
     expected = "True/False or a number in [0, 1]" if unit else "a finite number (float32)"
     scores = []
     for i, (text, example) in enumerate(zip(texts, examples, strict=True), first):
@@ -425,7 +397,7 @@ def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first
             raise UsageError(f"{what} raised {type(e).__name__}: {_one_line(e)} {where}") from None
         if not isinstance(value, (numbers.Real, np.bool_)):
             raise UsageError(f"{what} returned {type(value).__name__} {where}; expected {expected}")
-        if not abs(value) <= _FLOAT32_MAX or (unit and not 0 <= value <= 1):
+        if not abs(value) <= torch.finfo(torch.float32).max or (unit and not 0 <= value <= 1):
             raise UsageError(f"{what} returned {_one_line(value, 40)} {where}; expected {expected}")
         scores.append(float(value))
     return scores
@@ -475,7 +447,8 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
     run once (:func:`runpy.run_path`). The log name is the function's, ``file_stem.name`` when two
     share it, then ``_2``, ``_3``... for a spec given again. UsageError naming the spec: a bad
     spec, file or function, or one that does not take (completion, example)."""
-    files, loaded = {}, []
+    names = [spec.rpartition(":")[2] for spec in specs]
+    files, loaded, given = {}, [], collections.Counter()
     for spec in specs:
         file, _, name = spec.rpartition(":")
         where = f"--reward-fn {spec}"
@@ -499,85 +472,34 @@ def load_reward_fns(specs: list[str]) -> list[tuple[str, RewardFn]]:
             raise UsageError(f"{where}: must take (completion, example): {_one_line(e)}") from None
         except ValueError:  # no signature to inspect (a builtin): its first call will tell
             pass
-        loaded.append((name, Path(file).stem, fn))
-    names = [name for name, _, _ in loaded]
-    labels = [name if names.count(name) == 1 else f"{stem}.{name}" for name, stem, _ in loaded]
-    repeats = [labels[:i].count(label) for i, label in enumerate(labels)]  # a spec given again
-    fns = [fn for _, _, fn in loaded]
-    return [
-        (f"{lb}_{k + 1}" if k else lb, fn) for lb, k, fn in zip(labels, repeats, fns, strict=True)
-    ]
+        label = name if names.count(name) == 1 else f"{Path(file).stem}.{name}"
+        given[label] += 1  # a spec given again: label_2, label_3...
+        loaded.append((label if given[label] == 1 else f"{label}_{given[label]}", fn))
+    return loaded
 
 
 # ---- the scripts' task flags and prompts -------------------------------------------------------
-def make_task(
-    name: str,
-    dataset: str | None,
-    eval_size: int,
-    prompt_field: str,
-    answer_field: str,
-    answer_format: str,
-    format_reward: float,
-    reward_fns: list[str],
-    reward_weights: list[float],
-) -> Task:
-    """The task of --task or --dataset; with --answer-format think, answers read from the
-    ``<answer>`` block and ``format_reward`` paid for the format (plain: as the task pays it); with
-    --reward-fn, rewarded by the functions' sum weighted by --reward-weights (``task``: the task's
-    own). UsageError: a bad dataset or reward file (naming flag, file and line)."""
-    plain = format_reward if answer_format == "plain" else 0.0
-    if dataset is not None:
-        numeric = not reward_fns or "task" in reward_fns  # the built-in reward compares numbers
-        task = load_jsonl_task(dataset, eval_size, plain, prompt_field, answer_field, numeric)
-    elif name == "multistep":
-        task = make_multistep_task(eval_size, plain)
-    elif name == "countdown":
-        task = make_countdown_task(eval_size, plain, think=answer_format == "think")
-    else:
-        task = make_addition_task(eval_size, plain)
-    if answer_format == "think":
-        task = with_think_answer_format(task, format_reward)
-    if reward_fns:
-        files = load_reward_fns([spec for spec in reward_fns if spec != "task"])
-        own = ("task", task.reward_fn)
-        task.reward_fns = [own if spec == "task" else files.pop(0) for spec in reward_fns]
-        task.reward_weights = list(reward_weights) or None
-    return task
-
-
 def check_task_flags(
     format_reward, reward_fns, reward_weights, prompt_field, answer_field, system_prompt, prefix
 ) -> None:
-    """The flags of :func:`make_task` and of the prompts, checked before any file is read
-    (--task and --answer-format are ``Literal`` flags). UsageError naming the flag: not one finite
-    weight per function; a --format-reward that --reward-fn without ``task`` drops; ``task`` twice,
-    or beside a function of that name; a lone surrogate; one field for prompt and answer."""
+    """The flags of :func:`task_of` and the prompts, before any file is read. UsageError naming the
+    flag: not one finite weight per function; a --format-reward that --reward-fn without ``task``
+    drops; ``task`` twice or beside a function so named; a lone surrogate; one field for both."""
     counts = f"{len(reward_weights)} weights for {len(reward_fns)} functions (--reward-fn)"
     check(len(reward_weights) in (0, len(reward_fns)), f"--reward-weights: {counts}")
     check(all(map(math.isfinite, reward_weights)), "--reward-weights: must be finite numbers")
-    dropped = (
-        "is paid by the task's own reward, which --reward-fn replaces (add `--reward-fn task`)"
-    )
-    check(
-        not reward_fns or "task" in reward_fns or not format_reward, f"--format-reward: {dropped}"
-    )
+    own = "task" in reward_fns  # --reward-fn task: the task's own reward
+    dropped = "--format-reward: is paid by the task's own reward, which --reward-fn replaces"
+    check(own or not reward_fns or not format_reward, f"{dropped} (add `--reward-fn task`)")
     check(list(reward_fns).count("task") <= 1, "--reward-fn task: given twice; give it once")
     named_task = [s for s in reward_fns if s != "task" and s.rpartition(":")[2] == "task"]
-    if "task" in reward_fns and len(named_task) == 1:  # load_reward_fns names it by its name
+    if own and len(named_task) == 1:  # load_reward_fns names it by its name
         raise UsageError(f"--reward-fn {named_task[0]}: logs as 'task', as the task's own")
     check_text(system_prompt or "", "--system-prompt")
     check_text(prefix, "--response-prefix")
     check_text(prompt_field, "--prompt-field")
     check_text(answer_field, "--answer-field")
     check(prompt_field != answer_field, "--prompt-field and --answer-field must name two fields")
-
-
-def check_split(task: Task, prompts_per_step: int, eval_size: int, dataset: str | None) -> None:
-    """UsageError (naming --dataset or --eval-size) unless ``prompts_per_step`` training questions
-    are left once ``eval_size`` are held out."""
-    flag = f"--dataset: {dataset}" if dataset else f"--eval-size {eval_size}"
-    left = f"{len(task.test)} held out for evaluation leave {len(task.train)} questions to train on"
-    check(len(task.train) >= prompts_per_step, f"{flag}: {left}, under --prompts-per-step")
 
 
 def prompt_style(answer_format: str, system_prompt: str | None, response_prefix: str):
@@ -615,20 +537,6 @@ def prompt_ids(tokenizer, questions: list[str], system_prompt=None, response_pre
     return tokenizer(prompts, add_special_tokens=False)["input_ids"]
 
 
-def prompts_that_fit(
-    task, tokenizer, max_prompt_length, prompts_per_step, system_prompt=None, response_prefix=""
-) -> list[dict]:
-    """The training examples of ``task`` whose prompts (:func:`build_prompt`) have at most
-    ``max_prompt_length`` tokens; UsageError (naming --max-prompt-length) when fewer than
-    ``prompts_per_step`` fit."""
-    questions = [ex["question"] for ex in task.train]
-    ids = prompt_ids(tokenizer, questions, system_prompt, response_prefix)
-    train = [ex for ex, n in zip(task.train, map(len, ids), strict=True) if n <= max_prompt_length]
-    fit = f"--max-prompt-length {max_prompt_length}: only {len(train)} training prompts fit"
-    check(len(train) >= prompts_per_step, f"{fit}, fewer than --prompts-per-step")
-    return train
-
-
 @torch.no_grad()
 def greedy_accuracy(
     policy,
@@ -643,9 +551,8 @@ def greedy_accuracy(
     task_name: str = "task",
     answer_format: str = "plain",
 ) -> tuple[float, list[str]]:
-    """(fraction of ``examples`` that ``correct_fn`` finds right, responses) by greedy decoding of
-    :func:`build_prompt`'s prompts; a response is the prefix + completion. UsageError: as
-    :func:`score_correct`."""
+    """(fraction of ``examples`` that ``correct_fn`` finds right, responses: prefix + completion)
+    by greedy decoding of :func:`build_prompt`'s prompts. UsageError: as :func:`score_correct`."""
     style = prompt_style(answer_format, system_prompt, response_prefix)
     ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     what, correct, outputs = f"correct_fn of task {task_name!r}", 0, []
@@ -663,25 +570,42 @@ def greedy_accuracy(
 
 
 def task_of(args) -> Task:
-    """The task an LM script's flags name (:func:`make_task`), with enough training questions for a
-    step once --eval-size are held out (:func:`check_split`). Both scripts read the same flags.
-
-    Raises:
-        UsageError: a bad --dataset or --reward-fn, or too few questions.
-    """
-    fields = (args.prompt_field, args.answer_field, args.answer_format, args.format_reward)
-    task = make_task(
-        args.task, args.dataset, args.eval_size, *fields, args.reward_fn, args.reward_weights
-    )
-    check_split(task, args.prompts_per_step, args.eval_size, args.dataset)
+    """The task of --task or --dataset. --answer-format think: answers read from the ``<answer>``
+    block, --format-reward paid for the format (plain: as the task pays it). --reward-fn: rewards
+    are the functions' sum weighted by --reward-weights (``task``: the task's own). UsageError: a
+    bad dataset or reward file, or under --prompts-per-step questions left to train on."""
+    think = args.answer_format == "think"
+    plain = 0.0 if think else args.format_reward
+    if args.dataset is not None:
+        numeric = not args.reward_fn or "task" in args.reward_fn  # the built-in reward: numbers
+        fields = (args.prompt_field, args.answer_field, numeric)
+        task = load_jsonl_task(args.dataset, args.eval_size, plain, *fields)
+    elif args.task == "multistep":
+        task = make_multistep_task(args.eval_size, plain)
+    elif args.task == "countdown":
+        task = make_countdown_task(args.eval_size, plain, think=think)
+    else:
+        task = make_addition_task(args.eval_size, plain)
+    if think:
+        task = with_think_answer_format(task, args.format_reward)
+    if args.reward_fn:
+        files = load_reward_fns([spec for spec in args.reward_fn if spec != "task"])
+        own = ("task", task.reward_fn)
+        task.reward_fns = [own if spec == "task" else files.pop(0) for spec in args.reward_fn]
+        task.reward_weights = list(args.reward_weights) or None
+    flag = f"--dataset: {args.dataset}" if args.dataset else f"--eval-size {args.eval_size}"
+    left = f"{len(task.test)} held out for evaluation leave {len(task.train)} questions to train on"
+    check(len(task.train) >= args.prompts_per_step, f"{flag}: {left}, under --prompts-per-step")
     return task
 
 
 def training_questions(task: Task, tokenizer, args) -> list[dict]:
-    """The training questions whose prompts, in the run's prompt style, fit --max-prompt-length.
-
-    Raises:
-        UsageError: fewer than --prompts-per-step of them.
-    """
+    """The training examples whose prompts, in the run's prompt style, have at most
+    --max-prompt-length tokens. UsageError: fewer than --prompts-per-step of them."""
     style = prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
-    return prompts_that_fit(task, tokenizer, args.max_prompt_length, args.prompts_per_step, *style)
+    ids = prompt_ids(tokenizer, [ex["question"] for ex in task.train], *style)
+    fits = [len(row) <= args.max_prompt_length for row in ids]
+    train = [ex for ex, fit in zip(task.train, fits, strict=True) if fit]
+    fit = f"--max-prompt-length {args.max_prompt_length}: only {len(train)} training prompts fit"
+    check(len(train) >= args.prompts_per_step, f"{fit}, fewer than --prompts-per-step")
+    return train

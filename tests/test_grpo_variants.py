@@ -296,19 +296,19 @@ def test_replay_mix_ratio():
 # ---------------------------------------------------------------------------------------------
 def test_arithmetic_steps_are_parsed_and_checked():
     text = "12 + 7 = 19\n19 * 3 = 56\nthen 56 - 5 = 51"
-    assert tasks.find_arithmetic_steps(text) == [(11, True), (23, False), (40, True)]
-    assert tasks.find_arithmetic_steps("(12 + 7) * 3 - 5 = 52") == [(21, True)]
-    assert tasks.find_arithmetic_steps("She sold 48/2 = <<48/2=24>>24 clips") == [
+    assert tasks.arithmetic_step_rewards(text) == [(11, True), (23, False), (40, True)]
+    assert tasks.arithmetic_step_rewards("(12 + 7) * 3 - 5 = 52") == [(21, True)]
+    assert tasks.arithmetic_step_rewards("She sold 48/2 = <<48/2=24>>24 clips") == [
         (25, True)
     ]  # GSM8K annotation
-    assert tasks.find_arithmetic_steps("$1,200 + $300 = $1,500 and 10 / 4 = 2.5.") == [
+    assert tasks.arithmetic_step_rewards("$1,200 + $300 = $1,500 and 10 / 4 = 2.5.") == [
         (22, True),
         (39, True),
     ]
     assert (
-        tasks.find_arithmetic_steps("__import__('os') = 3, x = 5, 2 ** 3 = 8") == []
+        tasks.arithmetic_step_rewards("__import__('os') = 3, x = 5, 2 ** 3 = 8") == []
     )  # parsed, never evaluated
-    assert tasks.find_arithmetic_steps("1 / 0 = 5") == [(9, False)]
+    assert tasks.arithmetic_step_rewards("1 / 0 = 5") == [(9, False)]
     assert tasks.arithmetic_step_rewards(text, {}) == [(11, 1.0), (23, 0.0), (40, 1.0)]
 
 
@@ -317,7 +317,7 @@ def test_multistep_task_and_its_reference_solutions():
     assert len(task.test) == 16 and len(task.train) == 10_000 - 16
     assert tasks.make_multistep_task(num_test=16).test == task.test  # a fixed held-out split
     for ex in task.test:
-        steps = tasks.find_arithmetic_steps(ex["solution"])
+        steps = tasks.arithmetic_step_rewards(ex["solution"])
         assert len(steps) == 3 and all(ok for _, ok in steps)
         assert task.reward_fn(ex["solution"], ex) == 1.0 and task.correct_fn(ex["solution"], ex)
 
@@ -328,7 +328,7 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer():
     )  # one token per character: a step ending at character offset e ends at token e - 1
     text = "12+7=19\n19*3=56\nso 56"
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    ends = [e for e, _ in tasks.find_arithmetic_steps(text)]
+    ends = [e for e, _ in tasks.arithmetic_step_rewards(text)]
     assert ends == [7, 15]
     assert tasks.char_ends_to_token_indices(tok, ids, ends) == [6, 14]
     assert tasks.char_ends_to_token_indices(tok, ids, [999]) == [len(ids) - 1]

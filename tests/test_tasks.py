@@ -787,17 +787,7 @@ def countdown_think_task():
     import grpo_lm
 
     args = grpo_lm.Args(task="countdown", answer_format="think", format_reward=0.1, eval_size=4)
-    return tasks.make_task(
-        args.task,
-        args.dataset,
-        args.eval_size,
-        args.prompt_field,
-        args.answer_field,
-        args.answer_format,
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-    )
+    return tasks.task_of(args)
 
 
 @pytest.mark.parametrize(
@@ -890,14 +880,14 @@ TEST0 = {
 # ---------------------------------------------------------------------------------------------
 # Process supervision's step finder on model-like text
 # ---------------------------------------------------------------------------------------------
-def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
+def test_arithmetic_step_rewards_are_fast_on_long_sums_without_equals():
     """A chain of terms not followed by '=' took 6**n backtracking steps (1 + 1 + ... 10 terms: 6 s;
     12: 4 min)."""
     import time
 
     start = time.perf_counter()
     assert (
-        tasks.find_arithmetic_steps(
+        tasks.arithmetic_step_rewards(
             " + ".join(["1"] * 10) + " apples, " + " + ".join(["2"] * 200) + " pears"
         )
         == []
@@ -911,10 +901,10 @@ def test_find_arithmetic_steps_is_fast_on_long_sums_without_equals():
         "- $300 = $142.\n#### 142"
     )
     first = text.index("=442") + len("=442")
-    assert tasks.find_arithmetic_steps(text) == [
+    assert tasks.arithmetic_step_rewards(text) == [
         (first, True),
         (text.index("= $142") + len("= $142"), True),
     ]
-    assert tasks.find_arithmetic_steps(
+    assert tasks.arithmetic_step_rewards(
         "( 3 + 4 ) * 2 = 14, then -2 * ( 5 ) = -10 and 7 -  - 1 = 9"
     ) == [(18, True), (41, True), (58, False)]
