@@ -79,92 +79,69 @@ from common import UsageError, check
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
 
-    # policy to train: a local directory or Hub id of a causal LM (default: offline
-    # SmolLM2-135M-Instruct)
+    # policy to train: local directory or Hub id of a causal LM (default: SmolLM2-135M-Instruct)
     model_name_or_path: str = common.DEFAULT_MODEL
-    # sequence-classification reward model, read as its own forward pass pools (the last non-pad
-    # token) (default: the task's verifiable reward); frozen unless --train-reward-model
+    # sequence-classification reward model, pooled at the last non-pad token (default: the task's
+    # verifiable reward); frozen unless --train-reward-model
     reward_model_path: str | None = None
-    # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
-    # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
+    # 'addition' ("What is a + b?"), 'multistep' ("Compute (a + b) * c - d") or 'countdown' (make a
+    # target from 4 numbers with + - * /, as TinyZero)
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    # JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer); overrides
-    # --task
+    # JSONL file of questions and answers (GSM8K's '... #### N' or plain); overrides --task
     dataset: str | None = None
-    # --dataset: the field that holds the question
-    prompt_field: str = "question"
-    # --dataset: the field that holds the answer
-    answer_field: str = "answer"
-    # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the reward (default:
-    # the task's)
-    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
-        default_factory=list
-    )
+    prompt_field: str = "question"  # --dataset: the field that holds the question
+    answer_field: str = "answer"  # --dataset: the field that holds the answer
+    # your own reward, file.py:function with function(completion, example) -> float, repeatable
+    # ('task': the task's reward); the reward is their weighted sum (default: the task's)
+    reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    # reward for the expected format (0 = off): a completion that ends with a number, Countdown's
-    # <answer> block, or with --answer-format think the whole <think> ... </think> <answer> ...
-    # </answer> shape
+    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
+    # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
     format_reward: float = 0.0
-    # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
-    # read the answer block
+    # 'think': completions are <think> ... </think> <answer> ... </answer>; rewards read the answer
     answer_format: Literal["plain", "think"] = "plain"
-    # system message before every question (default: none; with --answer-format think, instructions
-    # for that format)
+    # system message before every question (default: none; --answer-format think: its instructions)
     system_prompt: str | None = None
-    # the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
-    # see it too
+    # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
-    # number of exploration stages (sample a batch, then --mu policy updates)
-    total_steps: Annotated[int, Ge(1)] = 30
-    # questions sampled per step; each gets --group-size completions
-    prompts_per_step: Annotated[int, Ge(1)] = 4
-    # G: completions sampled per question (DeepSeekMath used 64)
-    group_size: Annotated[int, Ge(2)] = 8
-    # maximum completion length in tokens
-    max_new_tokens: Annotated[int, Ge(1)] = 64
-    # prompts longer than this many tokens are dropped from the training set
-    max_prompt_length: Annotated[int, Ge(1)] = 512
-    # sampling temperature; log probs use the same logits / temperature
-    temperature: Annotated[float, Ge(1e-3)] = 0.7
-    # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
+    total_steps: Annotated[int, Ge(1)] = 30  # steps: sample a batch, then --mu policy updates
+    prompts_per_step: Annotated[int, Ge(1)] = 4  # questions per step, --group-size outputs each
+    group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
+    max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
+    max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
+    temperature: Annotated[float, Ge(1e-3)] = 0.7  # T of sampling; log probs use logits / T too
+    # nucleus sampling (1.0: the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    # KL coefficient beta of the k3 penalty to the reference model (0 = no reference model)
-    beta: Annotated[float, Ge(0)] = 0.04
-    # eps of the clipped surrogate
-    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2
-    # policy updates per exploration stage (GRPO iterations of Algorithm 1)
-    mu: Annotated[int, Ge(1)] = 1
-    # global gradient-norm clipping (> 0)
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    # AdamW weight decay
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    # added to the group std: a group with equal rewards gets advantage 0, never NaN
-    adv_eps: Annotated[float, Gt(0)] = 1e-4
-    # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4, Alg. 1) ---
+    beta: Annotated[float, Ge(0)] = 0.04  # KL coefficient of eq. 3 (0: no reference model)
+    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
+    mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
+    weight_decay: Annotated[float, Ge(0)] = 0.0  # AdamW weight decay
+    adv_eps: Annotated[float, Gt(0)] = 1e-4  # added to the group std: equal rewards give 0, not NaN
 
-    # 'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked
-    # equations, §4.1.3, the final answer one more step with the outcome reward)
+    # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4) ---
+
+    # 'outcome' (§4.1.2) or 'process' (§4.1.3: rewards of checked equations, and the final answer
+    # as one more step with the outcome reward)
     supervision: Literal["outcome", "process"] = "outcome"
-    # Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference <-
-    # policy
+    # Algorithm 1 iterations, --total-steps split evenly; each starts with reference <- policy
     iterations: Annotated[int, Ge(1)] = 1
-    # score with a reward model and train it after every iteration; without --reward-model-path it
-    # starts from the policy backbone with a new head, and iteration 1 is scored by the verifiable
-    # reward until its first training
+    # score with a reward model trained after every iteration; without --reward-model-path, the
+    # policy's backbone with a new head, and the verifiable reward scores until its first training
     train_reward_model: bool = False
-    # share of each reward-model training set replayed from earlier iterations' samples (0.1: the
-    # paper's "10% of historical data" read as 10% of the training set, drawn without replacement)
+    # share of each reward-model training set replayed from earlier iterations (the paper's "10% of
+    # historical data"), drawn without replacement
     rm_replay_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.1
     # AdamW learning rate of the reward model (its weight decay is --weight-decay)
     rm_learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    # passes over each iteration's reward-model training set (minibatches of --micro-batch-size)
+    # passes over each reward-model training set (minibatches of --micro-batch-size)
     rm_epochs: Annotated[int, Ge(1)] = 1
-    # fraction of each iteration's samples held out to measure the reward model's accuracy
+    # share of each iteration's samples held out to measure the reward model's accuracy
     rm_eval_fraction: Annotated[float, Interval(ge=0, lt=1)] = 0.25
+
     # --- later variants (all default to the paper's GRPO): Dr. GRPO, DAPO, GSPO ---
 
     # 'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B *
@@ -176,87 +153,70 @@ class Args:
     clip_range_high: Annotated[float, Gt(0)] | None = None
     # 'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    # DAPO: drop groups whose rewards are all equal and sample more questions until the batch is
-    # full
+    # DAPO: drop groups whose rewards are all equal, sample more questions until the batch is full
     dynamic_sampling: bool = False
-    # with --dynamic-sampling: sampling rounds per step at most; then the batch is topped up with
-    # dropped groups
+    # --dynamic-sampling: sampling rounds per step at most, then dropped groups fill the batch
     max_sampling_rounds: Annotated[int, Ge(1)] = 4
     # DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 = off)
     overlong_buffer: Annotated[int, Ge(0)] = 0
     # completions that never emitted EOS take no part in the loss (DAPO overlong filtering)
     mask_truncated_completions: bool = False
+
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
 
-    # rank R of the LoRA adapters (0 = full fine-tuning); the reference is then the policy with its
-    # adapter disabled
+    # rank R of the adapters (0 = full fine-tuning); the reference is the policy, adapter disabled
     lora_rank: Annotated[int, Ge(0)] = 0
-    # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
+    # the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
-    # MLP projections)
+    # modules with adapters: peft names (e.g. q_proj v_proj) or 'all-linear'
     lora_target_modules: tuple[str, ...] = ("all-linear",)
+
     # --- run: experiment, logging, evaluation, checkpoints ---
 
-    # name of this experiment (part of the run name)
-    exp_name: str = "grpo_lm"
-    # seed of the experiment: prompts, sampling and initialisation all flow from it
+    exp_name: str = "grpo_lm"  # name of this experiment (part of the run name)
+    # seed of prompts, sampling and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
-    # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
-    runs_dir: str = "runs"
-    # run directory name (default: {task}__{exp_name}__{seed}__{unix time})
-    run_name: str | None = None
-    # greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)
+    runs_dir: str = "runs"  # logs, args and checkpoints go to {runs_dir}/{run_name}/
+    run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
+    # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
-    # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
-    eval_size: Annotated[int, Ge(0)] = 128
-    # questions per greedy generation batch during evaluation
-    eval_batch_size: Annotated[int, Ge(1)] = 64
-    # print and log sample completions every N steps (0 = never)
-    sample_every: Annotated[int, Ge(0)] = 5
-    # write a checkpoint every N steps and at the end (0 = only at the end)
+    eval_size: Annotated[int, Ge(0)] = 128  # held-out questions (0: no evaluation, none held out)
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
+    sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
+    # write a checkpoint every N steps and at the end (0: only at the end)
     save_every: Annotated[int, Ge(0)] = 10
-    # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
-    # them (same flags, same results); the model, group size, reward model, --eval-size and run
+    # checkpoint.pt to continue from: its flags are the defaults, flags given again override them
+    # (same flags, same results); the model, group size, reward model, --eval-size and run
     # directory cannot change
     resume: str | None = None
-    # CPU threads for torch (0 = torch's default)
-    torch_threads: Annotated[int, Ge(0)] = 0
-    # no training: the greedy held-out accuracy of the --resume checkpoint, or of
-    # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run
-    # directory
+    torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
+    # no training: the greedy held-out accuracy of --resume's checkpoint or of
+    # --model-name-or-path (e.g. a run's final_model/), printed and written to the run directory
     eval_only: bool = False
-    # also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on
-    # disk)
+    # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
     track: bool = False
-    # the wandb project of --track
-    wandb_project_name: str = "minimal-ppo-grpo"
-    # the wandb entity (team or user) of --track; default: yours
-    wandb_entity: str | None = None
+    wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
+    wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
+
     # --- scale-out and speed: devices, several processes (torchrun), micro-batches, samplers ---
 
-    # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
-    device: str = "auto"
-    # sequences per forward/backward pass; gradients are accumulated over the whole batch
+    device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
+    # sequences per forward/backward pass; gradients accumulate over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    # groups per generate call (0 = all of a process's groups); samples depend only on --seed, the
-    # step and the calls' groups
+    # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
-    # stay float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that has it (weights, optimizer, LM head, log-softmax stay
+    # float32); no-op on CPU
     bf16: bool = True
-    # recompute the policy's activations in the backward pass (HF gradient checkpointing): less
-    # memory, ~30% slower
+    # recompute activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
-    # log probs: each group's prompt through the model once, its keys/values shared by the G
-    # completions (off: whole sequences)
+    # log probs: each group's prompt through the model once, its keys/values shared by its G outputs
     share_prompt: bool = True
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
     fast_generation: bool = False
-    # truncated importance sampling: with a sampler other than the trained module
-    # (--fast-generation, bf16 on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C)
-    # (Yao et al. 2025; TRL token_truncate); 0 = off
+    # truncated importance sampling (Yao et al. 2025), with a sampler other than the trained module
+    # (--fast-generation, bf16): each token's surrogate times min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
 
