@@ -1,51 +1,33 @@
 """Group Relative Policy Optimization (GRPO) for language models, in one file.
 
-Read beside DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), §4.1 and its Algorithm 1:
-for each question q sample a group of G outputs {o_1..o_G} from the old policy pi_old, score them,
-use the group-normalised reward as the advantage of every token (outcome supervision, §4.1.2),
-and maximise the clipped surrogate with a k3 KL penalty to a frozen reference model (eq. 3, 4):
+Read beside DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), §4.1 and its Algorithm 1: sample a
+group of G outputs o_i of each question q from pi_old, give every token of o_i the group-normalised
+reward as its advantage (§4.1.2), and maximise the clipped surrogate with a k3 KL penalty to a
+frozen reference (eq. 3, 4); no value model:
 
   J(theta) = E[ 1/G sum_i 1/|o_i| sum_t { min(ratio_it * A_it, clip(ratio_it, 1-eps, 1+eps) * A_it)
                                           - beta * KL_it } ],
   ratio_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t),
   KL_it    = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                                     (eq. 4)
 
-No value model. With --mu > 1 the batch is reused for mu updates: pi_old is the policy that sampled
-it, so ratio_it uses the old log probs stored once before the first update (step 4); with mu = 1
-pi_old = pi_theta and ratio_it = 1 (its gradient is still that of eq. 3).
+With --mu 1 pi_old = pi_theta and ratio_it = 1 (its gradient is still eq. 3's); with --mu > 1 the
+old log probs are stored once before the first of the mu updates.
 
-Where Algorithm 1 lives (read from the top down to the end of main(); the rest is below it):
-  Args, Batch    the flags (each constraint beside it); the samples of steps 1-2 of a step
-  ALGO LOGIC     completion_mask, group_advantages (§4.1.2), MicroBatch, token_log_probs, k3_kl
-                 (eq. 4), grpo_loss (eq. 3), aggregate (eq. 3's 1/G sum_i 1/|o_i| sum_t),
-                 float32_lm_head (numerics)
-  main()         input: policy, reference, reward; then per step: 0. reference <- policy at each
-                 iteration, 1. sample G outputs per question, 2. rewards, 3. advantages, 4. old
-                 and reference log probs, 5. mu updates of eq. 3, 6. the reward model's training
-  below main()   steps 1-2 in full (sample_and_score, reward), then the extensions, each in a
-                 labelled section
-Every flag defaults to the paper's GRPO. Each extension reaches the loop through one line tagged
-with its source and lives in a named function below main(), or is an option of a math-block function
-(the loss variants, passed by variant_options): DeepSeekMath's own process supervision (§4.1.3,
---supervision process) and iterative RL with a retrained reward model (Algorithm 1, --iterations,
---train-reward-model); later variants: Dr. GRPO (arXiv 2503.20783: --loss-type dr_grpo,
---scale-rewards), DAPO (arXiv 2503.14476: --clip-range-high, --dynamic-sampling, --overlong-buffer,
---mask-truncated-completions, --loss-type dapo), GSPO (arXiv 2507.18071: --importance-sampling-level
-sequence); scale-out and speed: the samplers (--fast-generation, --tis-cap), micro-batches,
-torchrun. The run features both LM scripts share (your own --reward-fn, --dataset fields, --task
-countdown, --answer-format think, --lora-rank, --track, --eval-only) are plumbing in common.py: the
-loop reads the same with them. Departures from the paper: the learning rate (1e-5, as its 1e-6
-barely moves a 135M model in 30 steps), G = 8 and 4 questions per step by default, and the KL and
-ratio taken between temperature-scaled distributions (softmax(logits / T)). Where the paper leaves a
-choice open: process supervision makes each completion's final answer one more step, carrying the
-outcome reward, and the iterative reward model is trained by MSE regression on the verifiable
-reward.
+Read from the top down to the end of main(): Args; Batch (steps 1-2's samples); ALGO LOGIC, the
+math (group_advantages §4.1.2, token_log_probs, k3_kl eq. 4, grpo_loss eq. 3, aggregate); main(),
+Algorithm 1 step by step. Below main(): steps 1-2 in full (sample_and_score, reward), then each
+extension in a labelled section, reaching the loop through one line tagged with its source:
+process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
+(arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071), TIS; micro-batches; then the
+run plumbing. Every flag defaults to the paper's GRPO. Departures: learning rate 1e-5 (the paper's
+1e-6 barely moves a 135M model in 30 steps), G = 8 and 4 questions per step, KL and ratio between
+temperature-scaled distributions. Where the paper leaves a choice open: process supervision makes
+the final answer one more step with the outcome reward; the iterative reward model regresses (MSE)
+on the verifiable reward.
 
-Several GPUs (as nanoGPT's train.py): the same file runs under `torchrun --nproc_per_node K
-grpo_lm.py ...`. --prompts-per-step stays the global number of questions; each process samples and
-trains on its share of whole groups (group statistics unchanged), every loss is normalised by counts
-of the global batch and gradients are summed over processes once per update, so K processes take the
-same step as one process with the same batch. Only rank 0 logs, evaluates and writes checkpoints.
+Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
+groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
+once per update, so K processes take one process's step. Only rank 0 logs and saves.
 
 Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
         torchrun --nproc_per_node 8 grpo_lm.py --prompts-per-step 64 --group-size 16
@@ -222,88 +204,54 @@ class Args:
 
 @dataclass
 class Batch:
-    """Steps 1-2 of a step, this process's share: N = B * G completions o_i (the G of a question
-    contiguous) of prompts of at most P tokens, T tokens at most each, and their rewards (set by
-    :func:`reward`)."""
+    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of
+    prompts of P tokens, T tokens at most each, and their rewards (set by :func:`reward`)."""
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
     completion_ids: torch.Tensor  # (N, T) the sampled tokens, padding after the first EOS
-    completion_mask: (
-        torch.Tensor
-    )  # (N, T) float, 1 for the tokens of o_i up to and including its first EOS
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
-    sampler_logp: (
-        torch.Tensor | None
-    )  # (N, T) log probs under the sampler when it is not the policy (TIS)
+    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if not the policy's (TIS)
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
-    verifiable: torch.Tensor | None = (
-        None  # (N,) the task's reward (None when a frozen reward model scores)
-    )
+    verifiable: torch.Tensor | None = None  # (N,) the task's reward (None: a frozen RM scores)
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
     truncated: torch.Tensor | None = None  # (N,) bool, no EOS within --max-new-tokens
-    reward_fns: dict[str, torch.Tensor] = dataclasses.field(
-        default_factory=dict
-    )  # --reward-fn: each one's (N,)
-    scalars: dict[str, float] = dataclasses.field(default_factory=dict)  # what the extensions log
+    reward_fns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # --reward-fn
+    scalars: dict[str, float] = dataclasses.field(default_factory=dict)  # the extensions' logs
 
 
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: the pieces of DeepSeekMath §4.1, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask of the tokens of each completion up to and including its first EOS: the o_i,t that eq. 3
-    sums over (|o_i| is its row sum), as the N+ details' "EOS trick" cuts a response after its first
-    EOS.
-
-    Args:
-        completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
-    Returns:
-        (B, T) float mask, 1 for real completion tokens (the EOS included), 0 after it.
-    """
+    """(B, T) float mask of each completion's tokens up to and including its first EOS (what follows
+    is padding): the o_i,t that eq. 3 sums over, |o_i| its row sum."""
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # number of EOS strictly before t
     return (eos_before == 0).float()
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group"
-) -> torch.Tensor:
-    """Outcome-supervision advantages (DeepSeekMath §4.1.2): ``(r_i - mean(r)) / (std(r) + eps)``.
-
-    Mean and (unbiased) std are taken over the G outputs of the same question. A group whose
-    rewards are all equal gets advantage 0: it carries no signal about which output is better.
-    ``scale="batch"`` divides by the std of the whole batch instead (the group mean is still
-    subtracted); ``scale="none"`` only centres, ``r_i - mean(r)`` (Dr. GRPO, arXiv 2503.20783 §3.1:
-    the std division up-weights questions that are too easy or too hard).
-
-    Args:
-        rewards: (B * G,) one scalar per completion, the G completions of a question contiguous.
-    Returns:
-        (B * G,) advantage of every completion, shared by all its tokens.
-    Raises:
-        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown
-        ``scale``.
+def group_advantages(rewards: torch.Tensor, group_size: int, eps=1e-4, scale="group"):
+    """Outcome supervision (§4.1.2): (B * G,) ``(r_i - mean(r)) / (std(r) + eps)`` over the G
+    outputs of each question (contiguous in ``rewards``, unbiased std), for every token of o_i; a
+    group of equal rewards gets 0. ``scale="batch"``: the whole batch's std; ``"none"``: only
+    centred (Dr. GRPO, arXiv 2503.20783 §3.1: the std up-weights questions too easy or too hard).
+    Raises ValueError: ``rewards`` do not split into groups of ``group_size``, or a bad ``scale``.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}"
-        )
+        raise ValueError(f"rewards {tuple(rewards.shape)} do not split into groups of {group_size}")
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     grouped = rewards.view(-1, group_size)
-    mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
-    if scale == "none":
-        return (grouped - mean).view(-1)
-    if scale == "batch":
-        std = rewards.std()
-    return ((grouped - mean) / (std + eps)).view(-1)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    std = rewards.std() if scale == "batch" else grouped.std(1, keepdim=True)
+    return (centred if scale == "none" else centred / (std + eps)).view(-1)
 
 
 class MicroBatch(NamedTuple):
-    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (a group's G share
-    one)."""
+    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (G share each)."""
 
     prompt_ids: torch.Tensor  # (U, P) the distinct prompts, left-padded
     prompt_mask: torch.Tensor  # (U, P) 1 for real prompt tokens
@@ -312,19 +260,15 @@ class MicroBatch(NamedTuple):
     completion_mask: torch.Tensor  # (b, T) long, 1 up to and including the first EOS
 
 
-def token_log_probs(
-    model, mb: MicroBatch, temperature: float, share_prompt=True, with_entropy=False
-):
+def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_entropy=False):
     """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
-    ``model`` (with ``with_entropy`` also the detached (b, T) entropy of that distribution, for
-    logging).
+    ``model`` (with ``with_entropy`` also the detached (b, T) entropy, for logging).
 
-    With ``share_prompt`` each distinct prompt goes through the model once and its keys and values
-    (with their gradients) serve every completion that continues it: the numbers of a pass over
-    each whole sequence, to float rounding, for 1/G of the prompt's compute (off under gradient
-    checkpointing, which drops the cache). Position ids count real tokens only, as in generation;
-    logits exist for completion positions only; the LM head and the log-softmax run in float32
-    also under bf16 autocast (:func:`float32_lm_head`).
+    ``share_prompt``: each distinct prompt goes through the model once and its keys and values (with
+    their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
+    float rounding, for 1/G of the prompt's compute (off under gradient checkpointing, which drops
+    the cache). Position ids count real tokens only, as in generation; the LM head and log-softmax
+    run in float32 also under bf16 autocast (:func:`float32_lm_head`).
     """
     P, T = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
     mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask], 1)
@@ -339,40 +283,25 @@ def token_log_probs(
                 cache = prefix.past_key_values
                 cache.batch_select_indices(mb.prompt_index)  # (U, ...) -> (b, ...), differentiable
                 rest = dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1])
-                rest = model(
-                    input_ids=mb.completion_ids[:, :-1],
-                    **rest,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
+                ids = mb.completion_ids[:, :-1]
+                rest = model(input_ids=ids, **rest, past_key_values=cache, use_cache=True)
                 logits = torch.cat([logits, rest.logits], 1)
         else:
             ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids], 1)
             whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
-            logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[
-                :, :-1
-            ]  # t -> t + 1
+            logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[:, :-1]  # t -> t+1
     log_probs = (logits.float() / temperature).log_softmax(-1)
     logp = torch.gather(log_probs, 2, mb.completion_ids.unsqueeze(-1)).squeeze(-1)
     return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if with_entropy else logp
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref) (DeepSeekMath eq. 4; Schulman 2020,
-    "Approximating KL").
+    """(B, T) per-token k3 estimate of KL(pi_theta || pi_ref), ``pi_ref/pi - log(pi_ref/pi) - 1``
+    >= 0, from the (B, T) log probs of the sampled tokens (DeepSeekMath eq. 4; Schulman 2020).
 
-    ``pi_ref/pi - log(pi_ref/pi) - 1``, always >= 0 and 0 where the log probs agree. Both
-    distributions are the temperature-scaled ones, ``softmax(logits / T)``, as everywhere in this
-    file. As a value it is an unbiased estimate of KL(pi_theta || pi_ref) when the tokens are
-    sampled from pi_theta; with ``--mu > 1`` they come from pi_old, so after the first update it is
-    that only approximately. As a loss term (eq. 3) its gradient at each sampled token is that of
-    KL(pi_ref || pi_theta)'s estimate (d/dlogp = 1 - pi_ref/pi), not of KL(pi_theta || pi_ref): the
-    paper's and TRL's choice, kept here.
-
-    Args:
-        logp, ref_logp: (B, T) log probs of the sampled tokens under the policy and reference.
-    Returns:
-        (B, T) per-token KL estimates.
+    Unbiased for tokens sampled from pi_theta; with ``--mu > 1`` they come from pi_old, so after the
+    first update only approximately. As a loss term its gradient at each sampled token is that of
+    KL(pi_ref || pi_theta)'s estimate (d/dlogp = 1 - pi_ref/pi): the paper's and TRL's choice.
     """
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
@@ -398,23 +327,20 @@ def grpo_loss(
 ):
     """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
 
-    Per token: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
-    ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, defaults to eps), summed as
-    :func:`aggregate` says. ``ratio = exp(logp - old_logp)``, old_logp stored before the first of
-    the mu updates (with mu = 1, ``logp.detach()``); GSPO (arXiv 2507.18071 §4), sequence level: one
-    ratio per completion, ``exp(mean_t(logp - old_logp))``. TIS (Yao et al. 2025; TRL's
-    ``token_truncate``), ``tis_cap > 0``: each token's surrogate (not its KL) is weighted by the
-    detached ``min(pi_old / pi_sampler, tis_cap)``. Masked positions never reach ``exp``.
+    Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
+    ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, default eps), summed as :func:`aggregate`
+    says. ``ratio = exp(logp - old_logp)`` (with mu = 1 old_logp is ``logp.detach()``); GSPO (arXiv
+    2507.18071 §4), sequence level: ``exp(mean_t(logp - old_logp))`` per completion. TIS (Yao et
+    al. 2025; TRL's ``token_truncate``), ``tis_cap > 0``: each token's surrogate (not its KL) times
+    the detached ``min(pi_old / pi_sampler, tis_cap)``. Masked positions never reach ``exp``.
 
     Args:
         logp, old_logp, ref_logp: (b, T) log probs under the policy (with grad), pi_old and the
-            reference (None with ``beta == 0``).
+            reference (None with ``beta == 0``); sampler_logp: (b, T) the sampler's, or None.
         advantages: (b,) one per sequence (outcome) or (b, T) one per token (process).
-        mask: (b, T) 1 for the tokens in the loss; sampler_logp: (b, T) the sampler's log probs when
-            it is not the trained module (``stats`` then holds the gap), or None.
-        num_sequences, loss_type, num_tokens, max_completion_length: see :func:`aggregate`.
+        mask: (b, T) 1 for the tokens in the loss; num_sequences etc.: see :func:`aggregate`.
     Returns:
-        (loss, stats): the scalar loss and detached per-token sums.
+        (loss, stats): the scalar loss and detached per-token sums and extremes, for logging.
     Raises:
         ValueError: unknown ``loss_type`` / ``importance_sampling_level``, or a count it needs.
     """
@@ -423,10 +349,7 @@ def grpo_loss(
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)  # (b, 1), GSPO s_i
     elif importance_sampling_level != "token":
-        raise ValueError(
-            "importance_sampling_level must be 'token' or 'sequence', not "
-            f"{importance_sampling_level!r}"
-        )
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     high = clip_range if clip_range_high is None else clip_range_high
@@ -441,81 +364,55 @@ def grpo_loss(
     loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_completion_length)
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - clip_range))
-        token_ratio = ratio.expand_as(logp)
-        one = ratio.new_tensor(1.0)
         stats = dict(
             kl=(kl * mask).sum(), clipped=(clipped.float() * mask).sum(), tokens=mask.sum()
         )
-        stats["ratio_min"] = token_ratio[valid].min() if valid.any() else one
-        stats["ratio_max"] = token_ratio[valid].max() if valid.any() else one
-        if sampler_logp is not None:
-            gap = (old_logp - sampler_logp).abs()[valid]
-            stats["sampler_gap_sum"] = gap.sum()
-            stats["sampler_gap_max"] = gap.max() if valid.any() else gap.new_tensor(0.0)
+        ratios = ratio.expand_as(logp)[valid] if valid.any() else ratio.new_ones(1)
+        stats.update(ratio_min=ratios.min(), ratio_max=ratios.max())
+        if sampler_logp is not None:  # |log pi_old - log pi_sampler|
+            gap = (old_logp - sampler_logp).abs()[valid] if valid.any() else logp.new_zeros(1)
+            stats.update(sampler_gap_sum=gap.sum(), sampler_gap_max=gap.max())
     return loss, stats
 
 
 def aggregate(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    num_sequences: int,
-    loss_type: str = "grpo",
-    num_tokens: float | None = None,
-    max_completion_length: int | None = None,
+    per_token, mask, num_sequences, loss_type="grpo", num_tokens=None, max_completion_length=None
 ) -> torch.Tensor:
-    """The negated sum of a micro-batch's masked per-token terms of eq. 3, normalised so that the
-    micro-batch losses add up to the loss of the whole batch:
+    """The negated sum of a micro-batch's (b, T) masked per-token terms of eq. 3, normalised so that
+    the micro-batch losses add up to the whole batch's (``num_sequences`` = B * G sequences):
 
-    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``
-      (eq. 3).
-    - ``bnpo``: token mean within this micro-batch, weighted by its share ``b / num_sequences`` of
-      the sequences; depends on micro-batching (micro-batches hold sequences of similar length) and
-      equals ``dapo`` when one micro-batch holds the whole batch.
+    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``.
+    - ``bnpo``: token mean within this micro-batch, times its share ``b / num_sequences`` of the
+      sequences (depends on micro-batching; ``dapo`` when one micro-batch holds the whole batch).
     - ``dr_grpo``: token sum / (``num_sequences * max_completion_length``) (Dr. GRPO, arXiv
       2503.20783 §3.1: eq. 3 without 1/|o_i|).
-    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3,
-      token-level loss).
+    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3).
 
-    Args:
-        per_token, mask: (b, T); num_sequences: B * G, sequences in the whole batch;
-            num_tokens: ``mask`` summed over the whole batch (``dapo``); max_completion_length:
-            ``--max-new-tokens`` (``dr_grpo``).
-    Returns:
-        the scalar loss.
-    Raises:
-        ValueError: unknown ``loss_type``, or the count it needs is missing.
+    Raises ValueError: unknown ``loss_type``, or the count it needs is missing.
     """
+    masked = per_token * mask
     if loss_type == "grpo":
-        lengths = mask.sum(1).clamp(min=1)  # |o_i|
-        per_sequence = (per_token * mask).sum(1) / lengths
-        return -per_sequence.sum() / num_sequences
+        return -(masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
     if loss_type == "bnpo":
-        return -(per_token * mask).sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
+        return -masked.sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
     if loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
-        return -(per_token * mask).sum() / (num_sequences * max_completion_length)
+        return -masked.sum() / (num_sequences * max_completion_length)
     if loss_type == "dapo":
         if num_tokens is None:
-            raise ValueError(
-                "loss_type 'dapo' needs num_tokens, the valid tokens of the whole batch"
-            )
-        return -(per_token * mask).sum() / max(float(num_tokens), 1.0)
+            raise ValueError("loss_type 'dapo' needs num_tokens, the whole batch's valid tokens")
+        return -masked.sum() / max(float(num_tokens), 1.0)
     raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {loss_type!r}")
 
 
 @contextlib.contextmanager
 def float32_lm_head(model):
-    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
-
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor
-    under every log prob that enters the loss: on a policy a hair away from its reference, the k3 KL
-    read ~1.5e-3 per token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward
-    runs on the hidden states cast to float32 with autocast off, so a LoRA adapter on the head
-    (``--lora-target-modules lm_head``) acts too; the head's weights are float32
-    (``common.load_model`` loads them so) and are neither copied nor cast. Without autocast it is
-    the head's usual forward, so the numbers do not change.
-    """
+    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast:
+    logits rounded to bf16 put a floor under every log prob (the k3 KL read ~1.5e-3 per token
+    against a true 1e-5, benchmarks/bf16_numerics.py). The head (float32 weights, as
+    ``common.load_model`` loads them, LoRA adapter included) runs on float32 hidden states with
+    autocast off; without autocast it is the head's usual forward, the same numbers."""
     head = model.get_output_embeddings()
     own_forward, patched = head.forward, "forward" in vars(head)
 
