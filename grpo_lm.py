@@ -470,7 +470,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
     start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
     bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo", bar)
-    sampler = make_sampler(policy, tokenizer, questions, task, reward_model, args, rank, world)
+    model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
+    sampler = Sampler(model, options, tokenizer, questions, task, reward_model, rank, world)
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -570,46 +571,30 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
 # Steps 1-2 of Algorithm 1: sample G outputs of each question from pi_old, and their rewards
 # ----------------------------------------------------------------------------------------------
 def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: int = 0) -> Batch:
-    """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and
-    their rewards.
-
-    The questions are drawn from ``(--seed, step, round_)``; the completions come from
-    ``softmax(logits / T)`` (within the top-p nucleus) through ``common.generate_completions``, in
-    calls of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global
-    index of its first group)``: samples depend on the seed, the step and the groups, not on how
-    many processes share the batch.
-
-    Returns:
-        the :class:`Batch`, its rewards set by :func:`reward`.
-    """
-    G, tokenizer = args.group_size, sampler.tokenizer
+    """Steps 1-2 for one draw of questions, from ``(--seed, step, round_)``: this process's B
+    questions, G completions of each from ``softmax(logits / T)`` (within the top-p nucleus), and
+    their rewards (:func:`reward`). Each generate call of --generation-groups-per-call groups is
+    reseeded from ``(--seed, step, round_, global index of its first group)``: the samples do not
+    depend on how many processes share the batch."""
+    G, tokenizer, pad = args.group_size, sampler.tokenizer, sampler.tokenizer.pad_token_id
     B = args.prompts_per_step // sampler.world
-    first_group = (
-        sampler.rank * B
-    )  # this process's share: groups first_group .. first_group + B - 1
+    first = sampler.rank * B  # this process's groups: first .. first + B - 1
     rng = np.random.default_rng([args.seed, step] + ([round_] if round_ else []))
     picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
-    # the G outputs of a question are contiguous
-    examples = [
-        sampler.questions[i] for i in picks[first_group : first_group + B] for _ in range(G)
-    ]
+    examples = [sampler.questions[i] for i in picks[first : first + B] for _ in range(G)]
     style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *style)
-    seeds = dict(seed_keys=(args.seed, step, round_), first=first_group)
+    seeds = dict(seed_keys=(args.seed, step, round_), first=first)
     rows, row_logps = common.generate_completions(
         sampler.model, prompts, G, tokenizer, device, **seeds, **sampler.options
     )
-    prompt_ids, prompt_mask = common.pad_left(
-        [p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device
-    )
+    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], pad, device)
     T = max(len(r) for r in rows)
-    completion_ids = torch.tensor(
-        [r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device
-    )
+    completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
-    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-    sampler_logp = None
-    if sampler.options["record"] and row_logps is not None:
+    completion_ids = torch.where(mask.bool(), completion_ids, pad)
+    sampler_logp = None  # recorded when the sampler is not the trained module (--fast-generation)
+    if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples, texts, sampler_logp)
@@ -617,58 +602,39 @@ def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: in
 
 
 def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """Step 2: the rewards of a batch's completions, from the task's reward function or the reward
-    model.
-
-    A reward model trained from the policy's backbone (--train-reward-model without
-    --reward-model-path) scores from iteration 2 on, once it has been trained; until then the
-    verifiable reward scores (Algorithm 1).
-
-    Returns:
-        ``batch`` with its ``rewards``, ``verifiable``, ``correct``, ``truncated`` and
-        ``reward_fns`` set.
-    Raises:
-        UsageError: the reward function raises or returns a non-finite value.
-    """
+    """Step 2: ``batch`` with its rewards, from the task's reward functions or the reward model, and
+    its ``verifiable``, ``correct``, ``truncated`` and ``reward_fns``. A reward model trained from
+    the policy's backbone scores from iteration 2 on, once trained; until then the verifiable reward
+    does (Algorithm 1). Raises UsageError: a reward function raises or returns NaN or inf."""
     examples, task = batch.examples, sampler.task
-    responses = [
-        args.response_prefix + c for c in batch.completions
-    ]  # what the reward functions read
+    responses = [args.response_prefix + c for c in batch.completions]  # what the rewards read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
-    scored_by_model = sampler.reward_model is not None and trained
-    verifiable, each = None, {}
-    if not scored_by_model or args.train_reward_model:
-        verifiable, each = tasks.score_task(
-            task, responses, examples
-        )  # --reward-fn: each function's own rewards
-    if scored_by_model:
-        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+    by_model = sampler.reward_model is not None and trained
+    batch.verifiable = None
+    if not by_model or args.train_reward_model:  # --reward-fn: each function's own rewards too
+        batch.verifiable, batch.reward_fns = tasks.score_task(task, responses, examples)
+    batch.rewards = batch.verifiable
+    if by_model:
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
-        rewards = common.score_with_reward_model(
-            sampler.reward_model,
-            input_ids,
-            attention_mask,
-            args.micro_batch_size,
-            device,
-            args.bf16,
-        )
-    else:
-        rewards = verifiable
-    eos = sampler.tokenizer.eos_token_id
-    batch.rewards, batch.verifiable, batch.reward_fns = rewards, verifiable, each
+        model, size = sampler.reward_model, args.micro_batch_size
+        scores = common.score_with_reward_model(model, ids, attention_mask, size, device, args.bf16)
+        batch.rewards = scores
     batch.correct = tasks.score_correct(task, responses, examples)
-    batch.truncated = ~((batch.completion_ids == eos) & batch.completion_mask.bool()).any(1)
+    eos = (batch.completion_ids == sampler.tokenizer.eos_token_id) & batch.completion_mask.bool()
+    batch.truncated = ~eos.any(1)
     return batch
 
 
 @dataclass
 class Sampler:
-    """What steps 1-2 sample with and score by, made once by :func:`make_sampler`."""
+    """What steps 1-2 sample with and score by. With --fast-generation the model is a bfloat16 copy
+    of the policy with a static KV cache (compiled on CUDA); log probs for the loss always come from
+    the policy, so a bf16 sampler draws from a slightly different distribution than the ratio and
+    the KL assume: the gap is logged (sampling/logp_diff_*) and --tis-cap corrects it."""
 
     model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
-    # common.generate_completions' options (temperature, top-p, lengths, ...); its "record": keep
-    # the sampler's own log probs (it is not the trained module, or runs in bf16)
-    options: dict
+    options: dict  # common.generate_completions' options (temperature, top-p, lengths, ...)
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
     task: tasks.Task
@@ -677,150 +643,92 @@ class Sampler:
     world: int
 
 
-def make_sampler(
-    policy,
-    tokenizer,
-    questions: list[dict],
-    task: tasks.Task,
-    reward_model,
-    args: Args,
-    rank: int,
-    world: int,
-) -> Sampler:
-    """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it,
-    with a static KV cache that transformers compiles on CUDA. Log probs for the loss always come
-    from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different
-    distribution than the ratio and the KL assume: the gap is logged every step
-    (sampling/logp_diff_*) and --tis-cap corrects it.
-    """
-    model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
-    return Sampler(model, options, tokenizer, questions, task, reward_model, rank, world)
-
-
 # ----------------------------------------------------------------------------------------------
 # DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model
 # (§4.1.4)
 # ----------------------------------------------------------------------------------------------
-def process_supervision(
-    batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device
-) -> torch.Tensor:
-    """Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as
-    one more step with the outcome reward, normalised over the G outputs of its question
-    (:func:`process_advantages`).
-
-    Args:
-        batch: the step's samples (steps 1-2): N completions of T tokens at most, (N,) rewards.
-        step_reward_fn: ``(completion, example) -> [(end character offset, reward), ...]``.
-    Returns:
-        (N, T) advantages on ``device``; the logged ``process/*`` scalars (over every process) go to
-        ``batch.scalars``.
-    Raises:
-        UsageError: the step reward function raises.
-    """
-    completion_ids, lengths = batch.completion_ids, batch.completion_mask.sum(1)
-    N, T = completion_ids.shape
+def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device):
+    """§4.1.3: (N, T) advantages on ``device`` from the steps that ``step_reward_fn(completion,
+    example) -> [(end character offset, reward), ...]`` checks in each completion, plus its final
+    answer as one more step with the outcome reward (:func:`process_advantages`); the ``process/*``
+    scalars (over every process) go to ``batch.scalars``. Raises UsageError: the function raises."""
+    N, T = batch.completion_ids.shape
     step_r, step_i, step_t = [], [], []
     for i, (text, ex) in enumerate(zip(batch.completions, batch.examples, strict=True)):
-        n_i = int(lengths[i])
+        n_i = int(batch.completion_mask[i].sum())
         try:
             steps = [(int(end), float(reward)) for end, reward in step_reward_fn(text, ex)]
         except Exception as e:  # noqa: BLE001 - user code fails the same way as a reward function
             raise UsageError(
                 f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}"
             ) from None
-        ends = tasks.char_ends_to_token_indices(
-            tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps]
-        )
+        ids = batch.completion_ids[i, :n_i].tolist()
+        ends = tasks.char_ends_to_token_indices(tokenizer, ids, [end for end, _ in steps])
         step_r += [reward for _, reward in steps] + [batch.rewards[i].item()]
         step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
         step_i += [i] * (len(steps) + 1)
     batch_std = None
     if args.scale_rewards == "batch":
         batch_std = torch.tensor(common.all_gather_objects(step_r)).std()
-    steps = (torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t))
-    advantages = process_advantages(
-        *steps, N, T, args.group_size, args.adv_eps, args.scale_rewards, batch_std
-    )
-    # the steps other than the final answers, summed over every process
-    checked = [len(step_r) - N, sum(step_r) - batch.rewards.sum().item()]
+    steps = torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t)
+    G, eps, scale = args.group_size, args.adv_eps, args.scale_rewards
+    advantages = process_advantages(*steps, N, T, G, eps, scale, batch_std)
+    checked = [len(step_r) - N, sum(step_r) - batch.rewards.sum().item()]  # not the final answers
     checked, step_sum = common.all_reduce(torch.tensor(checked, dtype=torch.float64)).tolist()
-    batch.scalars["process/steps_per_completion"] = checked / (
-        args.prompts_per_step * args.group_size
-    )
+    batch.scalars["process/steps_per_completion"] = checked / (args.prompts_per_step * G)
     batch.scalars["process/step_reward_mean"] = step_sum / max(checked, 1)
     return advantages.to(device)
 
 
 def process_advantages(
-    step_rewards: torch.Tensor,
-    step_seq: torch.Tensor,
-    step_end: torch.Tensor,
-    num_sequences: int,
-    num_tokens: int,
-    group_size: int,
-    eps: float = 1e-4,
-    scale: str = "group",
-    batch_std: float | None = None,
+    rewards,
+    seq,
+    end,
+    num_sequences,
+    num_tokens,
+    group_size,
+    eps=1e-4,
+    scale="group",
+    batch_std=None,
 ) -> torch.Tensor:
-    """Process-supervision advantages (DeepSeekMath §4.1.3), one per token.
+    """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``).
 
-    The rewards of all steps of the G outputs of a question are normalised together,
-    ``r~_j = (r_j - mean) / (std + eps)`` (unbiased std over those steps); then
-    ``A_i,t = sum of r~_j over the steps j of output i that end at or after token t``.
-    ``scale`` as in :func:`group_advantages` ("batch": std over every step of the batch; "none":
-    no division). The caller makes the final answer one more step, ending at the last token, with
-    the outcome reward: a completion without checkable steps then falls back to its outcome reward.
-
-    Args:
-        step_rewards: (S,) reward of every step of every completion.
-        step_seq: (S,) long, the completion i (0..B*G-1) each step belongs to.
-        step_end: (S,) long, the index t of the step's last token in its completion.
-        num_sequences: B * G; num_tokens: T, the width of the returned tensor.
-        batch_std: with ``scale="batch"``, the std of the step rewards of the whole batch when it
-            spans several processes (default: ``step_rewards.std()``).
-    Returns:
-        (B * G, T) advantages; tokens after the last step (padding) get 0.
-    Raises:
-        ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``/group
-        size.
+    The (S,) ``rewards`` of every step of the G outputs of a question, each step j in completion
+    ``seq[j]`` ending at its token ``end[j]``, are normalised together, ``r~_j = (r_j - mean) / (std
+    + eps)`` (unbiased std); then ``A_i,t`` = the sum of r~_j over the steps of output i that end at
+    or after t (0 after the last step). ``scale`` as in :func:`group_advantages` ("batch": the std
+    of every step of the batch, ``batch_std`` when it spans several processes). The caller makes
+    the final answer one more step with the outcome reward, so every completion has a step.
+    Raises ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``.
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    if num_sequences % group_size or torch.bincount(step_seq, minlength=num_sequences).min() < 1:
+    if num_sequences % group_size or torch.bincount(seq, minlength=num_sequences).min() < 1:
         raise ValueError(
             "every completion needs at least one step (its final answer), in groups of group_size"
         )
-    if step_end.min() < 0 or step_end.max() >= num_tokens:
+    if end.min() < 0 or end.max() >= num_tokens:
         raise ValueError(f"step ends must lie in [0, {num_tokens})")
-    group = step_seq // group_size
-    normalised = torch.empty_like(step_rewards)
+    group = seq // group_size
+    normalised = torch.empty_like(rewards)
     for g in range(num_sequences // group_size):
-        r = step_rewards[group == g]
+        r = rewards[group == g]
         centred = r - r.mean()
         normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
     if scale == "batch":
-        normalised = normalised / ((step_rewards.std() if batch_std is None else batch_std) + eps)
-    at_end = torch.zeros(num_sequences, num_tokens, dtype=step_rewards.dtype)
-    at_end.index_put_(
-        (step_seq, step_end), normalised, accumulate=True
-    )  # r~_j placed at the step's last token
+        normalised = normalised / ((rewards.std() if batch_std is None else batch_std) + eps)
+    at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
+    at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
 
 
 def make_reward_model(args: Args, tokenizer, device):
-    """The reward model r_phi, or None for the task's verifiable reward.
-
-    --reward-model-path: a trained sequence-classification model, frozen unless
-    --train-reward-model; with --train-reward-model alone, the policy's backbone with a new score
-    head (Algorithm 1, §4.1.4).
-    """
+    """r_phi, or None for the task's verifiable reward: --reward-model-path's model (frozen unless
+    --train-reward-model), or with --train-reward-model alone the policy's backbone with a new score
+    head (Algorithm 1, §4.1.4)."""
     if args.reward_model_path:
-        model = (
-            common.load_reward_model(args.reward_model_path, tokenizer, device)
-            .eval()
-            .requires_grad_(False)
-        )
-        return model.requires_grad_(True) if args.train_reward_model else model
+        model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval()
+        return model.requires_grad_(args.train_reward_model)
     if args.train_reward_model:
         model = common.load_model(args.model_name_or_path, kind="reward", device=device).eval()
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -829,41 +737,24 @@ def make_reward_model(args: Args, tokenizer, device):
 
 
 class RewardModelTraining:
-    """Algorithm 1, line 12 (§4.1.4): the reward model r_phi is trained continually, by MSE
-    regression of its score on the verifiable reward, on each iteration's samples with a replay of
-    earlier iterations' samples (--rm-replay-ratio of each training set), after the iteration's last
-    step.
-
-    ``add(batch)`` keeps a step's samples, gathered from every process so that each trains the same
-    model; ``train(step, checkpoint)`` trains and returns the logged ``reward_model/*`` scalars.
-    """
+    """Algorithm 1, line 12 (§4.1.4): r_phi trained continually, by MSE regression of its score on
+    the verifiable reward, after each iteration's last step, on the iteration's samples and a replay
+    of earlier ones (--rm-replay-ratio of each training set). ``add(batch)`` keeps a step's samples
+    from every process, so that each trains the same model; ``train`` returns the logged scalars."""
 
     def __init__(self, model, tokenizer, args: Args, device):
         self.model, self.tokenizer, self.args, self.device = model, tokenizer, args, device
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=args.rm_learning_rate, weight_decay=args.weight_decay
-        )
-        self.new: list[
-            dict
-        ] = []  # this iteration's samples: {"ids": prompt + completion, "label": verifiable reward}
-        self.replay: list[
-            dict
-        ] = []  # every earlier iteration's training samples, for the replay mix
+        lr, weight_decay = args.rm_learning_rate, args.weight_decay
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.new: list[dict] = []  # this iteration's {"ids": prompt + completion, "label": reward}
+        self.replay: list[dict] = []  # every earlier iteration's training samples
 
     def add(self, batch: Batch) -> None:
-        prompts = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)
-        ]
-        completions = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
-        ]
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        real = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1).bool()
+        rows = zip(ids, real, batch.verifiable, strict=True)
         self.new += common.all_gather_objects(
-            [
-                {"ids": p + c, "label": label.item()}
-                for p, c, label in zip(prompts, completions, batch.verifiable, strict=True)
-            ]
+            [{"ids": i[m].tolist(), "label": label.item()} for i, m, label in rows]
         )
 
     def train(self, step: int, checkpoint: Path) -> dict:
@@ -873,50 +764,46 @@ class RewardModelTraining:
         n_eval = int(len(shuffled) * args.rm_eval_fraction)
         held_out, fresh = shuffled[:n_eval], shuffled[n_eval:]
         data = replay_mix(fresh, self.replay, args.rm_replay_ratio, rng)
-        before = (
-            reward_model_accuracy(self.model, held_out, pad, mb, self.device) if held_out else None
-        )
+        before = self.accuracy(held_out) if held_out else None
         for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
             order = rng.permutation(len(data))
             for i in range(0, len(data), mb):
                 chunk = [data[j] for j in order[i : i + mb]]
-                ids, att = common.pad_left([c["ids"] for c in chunk], pad, self.device)
+                ids, attention_mask = common.pad_left([c["ids"] for c in chunk], pad, self.device)
+                labels = torch.tensor([c["label"] for c in chunk], device=self.device)
                 with common.bf16_autocast(self.device, args.bf16):
-                    scores = common.reward_model_scores(self.model, ids, att)
-                loss = F.mse_loss(
-                    scores, torch.tensor([c["label"] for c in chunk], device=self.device)
-                )
-                common.check_finite_update(
-                    f"step {step + 1}", "--rm-learning-rate", checkpoint, reward_model_loss=loss
-                )
+                    scores = common.reward_model_scores(self.model, ids, attention_mask)
+                loss = F.mse_loss(scores, labels)
+                where, hint = f"step {step + 1}", "--rm-learning-rate"
+                common.check_finite_update(where, hint, checkpoint, reward_model_loss=loss)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-        self.replay += fresh
-        self.new = []
-        scalars = {
-            "reward_model/train_mse": loss.item(),
-            "reward_model/train_size": len(data),
-            "reward_model/replay_fraction": 1 - len(fresh) / len(data),
-        }
+        self.replay, self.new = self.replay + fresh, []
+        scalars = {"reward_model/train_mse": loss.item(), "reward_model/train_size": len(data)}
+        scalars["reward_model/replay_fraction"] = 1 - len(fresh) / len(data)
         if held_out:
-            after = reward_model_accuracy(self.model, held_out, pad, mb, self.device)
-            scalars.update(
-                {
-                    "reward_model/heldout_accuracy_before": before[0],
-                    "reward_model/heldout_accuracy": after[0],
-                    "reward_model/heldout_mse": after[1],
-                }
-            )
+            accuracy, mse = self.accuracy(held_out)
+            scalars["reward_model/heldout_accuracy_before"] = before[0]
+            scalars["reward_model/heldout_accuracy"] = accuracy
+            scalars["reward_model/heldout_mse"] = mse
         return scalars
 
+    def accuracy(self, samples: list[dict]) -> tuple[float, float]:
+        """(accuracy, MSE) on labelled samples; accurate: |score - label| < 0.5."""
+        pad, mb = self.tokenizer.pad_token_id, self.args.micro_batch_size
+        chunks = [[s["ids"] for s in samples[i : i + mb]] for i in range(0, len(samples), mb)]
+        with torch.no_grad():
+            padded = (common.pad_left(c, pad, self.device) for c in chunks)
+            scores = torch.cat([common.reward_model_scores(self.model, *x).cpu() for x in padded])
+        labels = torch.tensor([s["label"] for s in samples])
+        return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(
+            scores, labels
+        ).item()
+
     def state(self) -> dict:
-        return {
-            "reward_model": self.model.state_dict(),
-            "rm_optimizer": self.optimizer.state_dict(),
-            "rm_new": self.new,
-            "rm_replay": self.replay,
-        }
+        state = dict(reward_model=self.model.state_dict(), rm_optimizer=self.optimizer.state_dict())
+        return state | dict(rm_new=self.new, rm_replay=self.replay)
 
     def load(self, checkpoint: dict) -> None:
         self.model.load_state_dict(checkpoint["reward_model"])
@@ -927,38 +814,14 @@ class RewardModelTraining:
 
 
 def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator) -> list:
-    """Reward-model training set of one iteration (DeepSeekMath Algorithm 1, §4.1.4): new + replay.
-
-    ``round(len(new) * ratio / (1 - ratio))`` samples (at most all of ``history``) are drawn
-    without replacement from earlier iterations, so they make up ``ratio`` of the result.
-
-    Raises:
-        ValueError: ``ratio`` outside [0, 1).
+    """One iteration's reward-model training set (Algorithm 1, §4.1.4): ``new`` and
+    ``round(len(new) * ratio / (1 - ratio))`` samples (at most all) of ``history``, drawn without
+    replacement, so that they make up ``ratio`` of it. Raises ValueError: ``ratio`` not in [0, 1).
     """
     if not 0 <= ratio < 1:
         raise ValueError(f"replay ratio must be in [0, 1), not {ratio}")
     k = min(len(history), round(len(new) * ratio / (1 - ratio)))
     return list(new) + [history[i] for i in rng.choice(len(history), k, replace=False)]
-
-
-def reward_model_accuracy(
-    reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device
-) -> tuple[float, float]:
-    """(accuracy, MSE) of the reward model on labelled samples; accurate = |score - label| < 0.5."""
-    with torch.no_grad():
-        scores = torch.cat(
-            [
-                common.reward_model_scores(
-                    reward_model,
-                    *common.pad_left(
-                        [s["ids"] for s in samples[i : i + batch_size]], pad_token_id, device
-                    ),
-                ).cpu()
-                for i in range(0, len(samples), batch_size)
-            ]
-        )
-    labels = torch.tensor([s["label"] for s in samples])
-    return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(scores, labels).item()
 
 
 # ----------------------------------------------------------------------------------------------
