@@ -830,122 +830,79 @@ def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator)
 # (variant_options).
 # ----------------------------------------------------------------------------------------------
 def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep only the groups whose rewards differ,
-    and sample new questions (rounds 1, 2, ...) until --prompts-per-step such groups are found or
-    --max-sampling-rounds is reached; then top up the batch with dropped groups (equal rewards, so
-    advantage 0 unless --overlong-buffer's length penalty, added afterwards, separates them; they
-    still carry the KL term), so every batch has N sequences. Under torchrun each process fills its
-    own B groups (the chosen groups depend on the world size).
-
-    Args:
-        batch: round 0's samples (steps 1-2).
-    Returns:
-        the batch, with the logged ``sampling/*`` scalars in ``batch.scalars``.
-    """
-    G = args.group_size
-    B = len(batch.rewards) // G
-
-    def varied(r: int) -> list[tuple[int, int]]:
+    """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep the groups whose rewards differ, and
+    sample new questions (rounds 1, 2, ...) until B such groups are found or --max-sampling-rounds
+    is reached; dropped groups top the batch up (advantage 0 unless --overlong-buffer's penalty,
+    added afterwards, separates them; they still carry the KL term). Under torchrun each process
+    fills its own B groups. The ``sampling/*`` scalars go to ``batch.scalars``."""
+    G, B = args.group_size, len(batch.rewards) // args.group_size
+    rounds, chosen = [], []
+    for r in range(args.max_sampling_rounds):
+        rounds.append(batch if r == 0 else sample_and_score(sampler, args, device, step, round_=r))
         grouped = rounds[r].rewards.view(-1, G)
-        return [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
-
-    rounds = [batch]
-    chosen = varied(0)
-    for r in range(1, args.max_sampling_rounds):
+        chosen += [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
         if len(chosen) >= B:
             break
-        rounds.append(sample_and_score(sampler, args, device, step, round_=r))
-        chosen += varied(r)
     dropped = [(r, g) for r in range(len(rounds)) for g in range(B) if (r, g) not in chosen]
     merged = merge_groups(rounds, (chosen + dropped)[:B], G, sampler.tokenizer.pad_token_id)
-    merged.scalars = {
-        "sampling/rounds": common.all_reduce(torch.tensor(len(rounds)), "max").item(),
-        "sampling/frac_groups_varied": common.all_reduce(torch.tensor(min(len(chosen), B))).item()
-        / args.prompts_per_step,
-    }
+    merged.scalars["sampling/rounds"] = common.all_reduce(torch.tensor(len(rounds)), "max").item()
+    varied = common.all_reduce(torch.tensor(min(len(chosen), B))).item()
+    merged.scalars["sampling/frac_groups_varied"] = varied / args.prompts_per_step
     return merged
 
 
-def merge_groups(
-    batches: list[Batch], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int
-) -> Batch:
-    """One batch made of the groups ``chosen`` = [(batch index, group index), ...], re-padded.
-
-    Prompts stay left-padded and completions right-padded, to the widest of the chosen rows.
-    """
-    rows = [(batches[b], slice(g * group_size, (g + 1) * group_size)) for b, g in chosen]
+def merge_groups(batches: list[Batch], chosen: list, group_size: int, pad_token_id: int) -> Batch:
+    """One batch of the groups ``chosen`` = [(batch index, group index), ...], prompts left-padded
+    and completions right-padded again, to the widest of the chosen rows."""
+    G = group_size
+    rows = [(batches[b], slice(g * G, (g + 1) * G)) for b, g in chosen]
     P = max(b.prompt_ids.shape[1] for b, _ in rows)
     T = max(b.completion_ids.shape[1] for b, _ in rows)
 
-    def cat(key: str, width: int | None = None, value: float = 0, left: bool = False):
+    def cat(key: str, width: int = 0, value: float = 0, left: bool = False):
         if getattr(rows[0][0], key) is None:
             return None
         parts = [getattr(b, key)[r] for b, r in rows]
-        if width is None:
-            return torch.cat(parts)
-        return torch.cat(
-            [
-                F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
-                for x in parts
-            ]
-        )
+        if width:
+            sides = [(width - x.shape[1], 0) if left else (0, width - x.shape[1]) for x in parts]
+            parts = [F.pad(x, side, value=value) for x, side in zip(parts, sides, strict=True)]
+        return torch.cat(parts)
 
-    merged = Batch(
-        cat("prompt_ids", P, pad_token_id, True),
-        cat("prompt_mask", P, 0, True),
-        cat("completion_ids", T, pad_token_id),
-        cat("completion_mask", T),
-        [x for b, r in rows for x in b.examples[r]],
-        [x for b, r in rows for x in b.completions[r]],
-        cat("sampler_logp", T, 0.0),
-    )
+    prompts = cat("prompt_ids", P, pad_token_id, True), cat("prompt_mask", P, 0, True)
+    completions = cat("completion_ids", T, pad_token_id), cat("completion_mask", T)
+    examples = [x for b, r in rows for x in b.examples[r]]
+    texts = [x for b, r in rows for x in b.completions[r]]
+    merged = Batch(*prompts, *completions, examples, texts, cat("sampler_logp", T))
     merged.rewards, merged.verifiable, merged.correct, merged.truncated = (
         cat(key) for key in ("rewards", "verifiable", "correct", "truncated")
     )
-    merged.reward_fns = {
-        name: torch.cat([b.reward_fns[name][r] for b, r in rows]) for name in rows[0][0].reward_fns
-    }
+    for name in rows[0][0].reward_fns:
+        merged.reward_fns[name] = torch.cat([b.reward_fns[name][r] for b, r in rows])
     return merged
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
-    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4 "Overlong Reward Shaping"), added to
-    the reward.
-
-    ``0`` for ``|o| <= L_max - L_cache``; ``((L_max - L_cache) - |o|) / L_cache`` inside the last
-    ``L_cache`` tokens, reaching ``-1`` at ``L_max`` (a completion cannot be longer here).
-
-    Args:
-        lengths: (N,) completion lengths |o| in tokens (the EOS included).
-        max_length: L_max (``--max-new-tokens``); buffer: L_cache (``--overlong-buffer``, 0 = off).
-    Returns:
-        (N,) penalties in [-1, 0].
-    """
+    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4), added to the reward: (N,) in [-1, 0]
+    from the (N,) completion lengths |o| (EOS included), 0 for ``|o| <= L_max - L_cache``, then
+    ``((L_max - L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``,
+    --overlong-buffer, 0 = off)."""
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
     return (((max_length - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 
 def completions_in_the_loss(batch: Batch, mask_truncated: bool) -> torch.Tensor:
-    """(N, T) mask of the tokens that take part in the loss: each completion up to its EOS; with
-    --mask-truncated-completions (DAPO §3.4, overlong filtering) none of a completion that never
-    emitted EOS."""
-    return (
-        batch.completion_mask * (~batch.truncated).float().unsqueeze(1)
-        if mask_truncated
-        else batch.completion_mask
-    )
+    """(N, T) mask of the loss's tokens: each completion up to its EOS; with
+    --mask-truncated-completions (DAPO §3.4 overlong filtering) none of one without EOS."""
+    if not mask_truncated:
+        return batch.completion_mask
+    return batch.completion_mask * (~batch.truncated).float().unsqueeze(1)
 
 
 def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
-    """The later variants' options of :func:`grpo_loss` for this batch: Dr. GRPO and DAPO's loss
-    aggregation (--loss-type), DAPO's clip-higher (§3.1, --clip-range-high), GSPO's sequence-level
-    ratio (--importance-sampling-level) and truncated importance sampling (--tis-cap). All off is
-    the paper's eq. 3.
-
-    ``num_tokens`` (DAPO's token-level mean, §3.3) counts the tokens of the global batch (torchrun),
-    so that summing the processes' gradients gives the 1-process gradient.
-    """
+    """The later variants' options of :func:`grpo_loss` (all off: the paper's eq. 3): Dr. GRPO's and
+    DAPO's aggregation (--loss-type, with ``num_tokens`` counted over the global batch so that the
+    processes' gradients sum to the 1-process gradient), clip-higher, GSPO's ratio and TIS."""
     return {
         "loss_type": args.loss_type,
         "clip_range_high": args.clip_range_high,
@@ -960,45 +917,26 @@ def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
 # Scale-out and speed: micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
 def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
-    """Micro-batches of ``size`` sequences for steps 4-5: groups of similar completion length
-    together (whole groups when ``size`` is a multiple of G; a group's prompt goes through the model
-    once per micro-batch that holds its completions, see :func:`token_log_probs`), each trimmed to
-    its own longest prompt and completion. The loss is a sum over sequences, so the order only saves
-    compute (except for --loss-type bnpo, whose token mean is taken per micro-batch).
-
-    Returns:
-        [(idx, t, :class:`MicroBatch`)]: the micro-batch's rows of the batch, its length t, and
-        :func:`token_log_probs`'s inputs.
-    """
+    """Micro-batches of ``size`` sequences for steps 4-5: [(rows of the batch, length t,
+    :class:`MicroBatch`)]. Groups of similar completion length go together (whole groups when
+    ``size`` is a multiple of G: a prompt goes through the model once per micro-batch that holds
+    its completions), each trimmed to its longest prompt and completion. The loss is a sum over
+    sequences, so the order only saves compute (except --loss-type bnpo's per-micro-batch mean)."""
     mask, completion_ids = batch.completion_mask, batch.completion_ids
     lengths = mask.sum(1)
-    N = len(lengths)
     lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
-    order = torch.tensor(
-        sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])), device=device
-    )
+    order = sorted(range(len(lens)), key=lambda i: (-group_lens[i // G], i // G, -lens[i]))
+    order = torch.tensor(order, device=device)
     micro_batches = []
-    for i in range(0, N, size):
+    for i in range(0, len(lens), size):
         idx = order[i : i + size]
-        groups, prompt_index = torch.unique(
-            idx // G, return_inverse=True
-        )  # the groups' prompts, once each
+        groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # each prompt once
         prompt_ids, prompt_mask = batch.prompt_ids[groups * G], batch.prompt_mask[groups * G]
         first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
         t = int(lengths[idx].max())
-        micro_batches.append(
-            (
-                idx,
-                t,
-                MicroBatch(
-                    prompt_ids[:, first:],
-                    prompt_mask[:, first:],
-                    prompt_index,
-                    completion_ids[idx, :t],
-                    mask[idx, :t].long(),
-                ),
-            )
-        )
+        prompts = prompt_ids[:, first:], prompt_mask[:, first:], prompt_index
+        inputs = MicroBatch(*prompts, completion_ids[idx, :t], mask[idx, :t].long())
+        micro_batches.append((idx, t, inputs))
     return micro_batches
 
 
