@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -524,7 +523,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
         # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
         loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO, GSPO, TIS (off: the paper)
-        totals = new_totals()
+        totals = []  # every micro-batch's loss statistics, for step_metrics
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             with common.train_mode((policy,), args.gradient_checkpointing):
@@ -539,7 +538,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
                         logp, old, ref, adv, mask, eps, beta, N_all, sampler_logp=tis, **loss_kw
                     )
                     loss.backward()
-                    accumulate(totals, loss, stats, entropy * mask)
+                    totals.append(dict(stats, loss=loss.detach(), entropy=(entropy * mask).sum()))
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             where = f"step {step + 1}"
@@ -962,83 +961,69 @@ FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
 }
-HINT = (
-    "--learning-rate, --max-grad-norm, --beta and the reward"  # to check after a non-finite update
-)
+HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # after a non-finite update
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: each flag's own
-    constraint (beside it in ``Args``) and the rules both LM scripts share
-    (:func:`common.check_lm_flags`), then GRPO's rules.
-
-    Raises:
-        UsageError: naming the flag and what it expects.
-    """
+    """One-line errors (UsageError naming the flag) for flags that cannot work, before anything
+    loads: each flag's own constraint (beside it in Args) and both LM scripts' rules
+    (common.check_lm_flags, tasks.check_task_flags), then GRPO's."""
     common.check_lm_flags(args)
-    tasks.check_task_flags(
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-        args.prompt_field,
-        args.answer_field,
-        args.system_prompt,
-        args.response_prefix,
-    )
-    world = common.world_size()
-    check(
-        args.total_steps % args.iterations == 0,
-        f"--iterations {args.iterations} must divide --total-steps {args.total_steps}",
-    )
+    prompt_flags = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
+    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, *prompt_flags)
+    steps, iterations, world = args.total_steps, args.iterations, common.world_size()
+    check(steps % iterations == 0, f"--iterations {iterations} must divide --total-steps {steps}")
     check(
         args.overlong_buffer < args.max_new_tokens,
         "--overlong-buffer must be in [0, --max-new-tokens)",
     )
     check(
-        not args.train_reward_model or args.reward_model_path is not None or args.iterations >= 2,
+        not args.train_reward_model or args.reward_model_path is not None or iterations >= 2,
         "--train-reward-model without --reward-model-path needs --iterations >= 2: its reward "
-        "model starts with an "
-        "untrained head, scores from iteration 2 on, and is first trained at the end of iteration "
-        "1",
+        "model starts with an untrained head, scores from iteration 2 on, and is first trained at "
+        "the end of iteration 1",
     )
     check(
         args.prompts_per_step % world == 0,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-        f"world size {world} (the number of torchrun processes): every process samples whole "
-        "groups",
+        f"--prompts-per-step {args.prompts_per_step} must be divisible by the world size {world} "
+        "(the number of torchrun processes): every process samples whole groups",
     )
     check(
-        not args.lora_rank or args.iterations == 1,
-        "--lora-rank with --iterations > 1: the reference is the policy "
-        "with its adapter disabled, which cannot be reset to the policy at each iteration; use "
-        "full fine-tuning",
+        not args.lora_rank or iterations == 1,
+        "--lora-rank with --iterations > 1: the reference is the policy with its adapter disabled, "
+        "which cannot be reset to the policy at each iteration; use full fine-tuning",
     )
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads by
-    :func:`common.resume_checkpoint`: this script's, with the flags that cannot change unchanged
-    (``FROZEN``), steps left to train, no NaN or inf and the same iteration length; None without
-    --resume.
+    """The --resume checkpoint (memory-mapped; None without --resume), checked before anything loads
+    by common.resume_checkpoint (this script's, ``FROZEN`` flags unchanged, steps left, no NaN or
+    inf), with the same Algorithm 1 iterations: --total-steps / --iterations steps each.
 
     Raises:
         UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that
             cannot change, a run that already reached --total-steps, or another iteration length.
     """
     checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)
-    if checkpoint is not None:
-        check_iteration_length(checkpoint, args)
+    if checkpoint is None:
+        return None
+    saved, steps, iterations = checkpoint["args"], args.total_steps, args.iterations
+    length = checkpoint.get("steps_per_iteration", saved["total_steps"] // saved["iterations"])
+    n = max(steps // length, 1)  # iterations of that length, for the hint
+    check(
+        (saved["iterations"] == 1 and iterations == 1)
+        or (steps // iterations == length and steps % iterations == 0),
+        f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} "
+        f"({saved['total_steps']} steps / {saved['iterations']} iterations); resume with the same "
+        f"iteration length, e.g. --total-steps {n * length} --iterations {n}",
+    )
     return checkpoint
 
 
 def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, rm_training) -> int:
-    """Load a checkpoint's weights and optimizer states; returns the step it was written at (0
-    without one). The flags given now set the optimizers' hyperparameters (--learning-rate,
-    --weight-decay, --rm-learning-rate take effect on resume).
-
-    Raises:
-        UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
-    """
+    """Load a checkpoint's weights and optimizer states (the flags given now set the optimizers'
+    hyperparameters); returns the checkpoint's step (0 without one).
+    Raises UsageError: the checkpoint's tensors do not fit the models (another model's)."""
     if checkpoint is None:
         return 0
     try:
@@ -1058,82 +1043,29 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
     return checkpoint["step"]
 
 
-def check_iteration_length(checkpoint: dict, args: Args) -> None:
-    """A resumed run keeps its Algorithm 1 iterations: --total-steps / --iterations steps each.
-
-    Raises:
-        UsageError: the new --total-steps / --iterations would move the iteration boundaries.
-    """
-    saved = checkpoint["args"]
-    length = checkpoint.get("steps_per_iteration", saved["total_steps"] // saved["iterations"])
-    if saved["iterations"] > 1 or args.iterations > 1:
-        check(
-            args.total_steps // args.iterations == length
-            and args.total_steps % args.iterations == 0,
-            f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} "
-            f"({saved['total_steps']} "
-            f"steps / {saved['iterations']} iterations); resume with the same iteration length, "
-            "e.g. --total-steps "
-            f"{max(args.total_steps // length, 1) * length} --iterations "
-            f"{max(args.total_steps // length, 1)}",
-        )
-
-
-def new_totals() -> dict:
-    """Sums and extremes of a step's per-micro-batch loss statistics, filled by
-    :func:`accumulate`."""
-    return {
-        "loss": 0.0,
-        "entropy": 0.0,
-        "kl": 0.0,
-        "clipped": 0.0,
-        "tokens": 0.0,
-        "ratio_min": math.inf,
-        "ratio_max": -math.inf,
-        "sampler_gap_sum": 0.0,
-        "sampler_gap_max": 0.0,
-        "sampler_tokens": 0.0,
-    }
-
-
-def accumulate(totals: dict, loss: torch.Tensor, stats: dict, entropy: torch.Tensor) -> None:
-    """Add one micro-batch's loss, :func:`grpo_loss` statistics and (b, T) masked token entropies to
-    ``totals``."""
-    totals["loss"] += loss.item()
-    totals["entropy"] += entropy.sum().item()
-    for key in ("kl", "clipped", "tokens"):
-        totals[key] += stats[key].item()
-    totals["ratio_min"] = min(totals["ratio_min"], stats["ratio_min"].item())
-    totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"].item())
-    if "sampler_gap_sum" in stats:
-        totals["sampler_gap_sum"] += stats["sampler_gap_sum"].item()
-        totals["sampler_gap_max"] = max(totals["sampler_gap_max"], stats["sampler_gap_max"].item())
-        totals["sampler_tokens"] += stats["tokens"].item()
-
-
 def step_metrics(
-    args: Args,
-    batch: Batch,
-    rewards: torch.Tensor,
-    totals: dict,
-    grad_norm: torch.Tensor,
-    optimizer,
-    t0: float,
-    gen_time: float,
-) -> dict:
-    """A step's logged scalars, over the global batch (sums and per-sequence values gathered from
-    every process), and what the extensions put in ``batch.scalars``: ``loss/policy`` is the
-    minimised -J of eq. 3, KL term included; ``time/generation_s`` covers steps 1-2,
-    ``time/training_s`` the rest of the step up to here."""
-    G = args.group_size
-    sums = common.all_reduce(
-        torch.tensor([totals["loss"], totals["kl"], totals["clipped"], totals["tokens"]])
+    args: Args, batch: Batch, rewards, totals: list, grad_norm, optimizer, t0, gen_time
+):
+    """A step's logged scalars over the global batch (sums and per-sequence values gathered from
+    every process), from ``totals``, the :func:`grpo_loss` statistics of every micro-batch with its
+    ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy`` is
+    the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
+
+    def total(key: str) -> float:  # summed over this process's micro-batches and mu updates
+        return sum(stats[key].item() for stats in totals)
+
+    G, sums = (
+        args.group_size,
+        torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")]),
     )
-    loss_sum, kl_sum, clipped_sum, tokens_sum = sums.tolist()
+    loss_sum, kl_sum, clipped_sum, tokens_sum = common.all_reduce(sums).tolist()
     lengths, correct, truncated = (
         common.all_gather(x.float().cpu())
         for x in (batch.completion_mask.sum(1), batch.correct, batch.truncated)
     )
+    entropy = common.all_reduce(torch.tensor(total("entropy"))).item()
+    ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in totals))
+    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in totals))
     scalars = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
@@ -1143,10 +1075,9 @@ def step_metrics(
         "loss/kl": kl_sum / max(tokens_sum, 1),
         "loss/clip_fraction": clipped_sum / max(tokens_sum, 1),
         "loss/tokens": tokens_sum / args.mu,
-        "loss/entropy": common.all_reduce(torch.tensor(totals["entropy"])).item()
-        / max(tokens_sum, 1),
-        "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
-        "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
+        "loss/entropy": entropy / max(tokens_sum, 1),
+        "loss/ratio_min": common.all_reduce(ratio_min, "min").item(),
+        "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/frac_truncated": truncated.mean().item(),
         "optim/grad_norm": grad_norm.item(),
@@ -1159,52 +1090,34 @@ def step_metrics(
     scalars.update(batch.scalars)
     scalars.update(common.reward_fn_means(batch.reward_fns))  # --reward-fn
     if batch.sampler_logp is not None:  # |log pi_old - log pi_sampler| over the loss's tokens
-        gap = torch.tensor([totals["sampler_gap_sum"], totals["sampler_tokens"]])
+        gap = torch.tensor([total("sampler_gap_sum"), total("tokens")])
         gap_sum, gap_tokens = common.all_reduce(gap).tolist()
         scalars["sampling/logp_diff_mean"] = gap_sum / max(gap_tokens, 1)
-        gap_max = common.all_reduce(torch.tensor(totals["sampler_gap_max"]), "max")
-        scalars["sampling/logp_diff_max"] = gap_max.item()
+        gap_max = torch.tensor(max(0.0, *(stats["sampler_gap_max"].item() for stats in totals)))
+        scalars["sampling/logp_diff_max"] = common.all_reduce(gap_max, "max").item()
     if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
         scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()
     return scalars
 
 
-def save_checkpoint(
-    log: common.RunLog, step: int, args: Args, policy, optimizer, reference, rm_training
-) -> None:
-    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
-    exactly (the reference when --iterations > 1 resets it, else it is --model-name-or-path's,
-    loaded again on resume; the reward model with its samples included; the iteration index ``step
-    // steps_per_iteration`` is stored for readers)."""
-    if not (
-        log.is_main
-        and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)
-    ):
+def save_checkpoint(log, step: int, args: Args, policy, optimizer, reference, rm_training) -> None:
+    """Every --save-every steps and at the end (rank 0), atomically, what an exact resume needs: the
+    reference when --iterations > 1 resets it (else --model-name-or-path's, loaded again), the
+    reward model with its samples, and the iteration index (for readers)."""
+    due = (args.save_every and step % args.save_every == 0) or step == args.total_steps
+    if not (log.is_main and due):
         return
-    steps_per_iteration = args.total_steps // args.iterations
-    rm_state = (
-        rm_training.state()
-        if rm_training is not None
-        else {"reward_model": None, "rm_optimizer": None, "rm_new": [], "rm_replay": []}
-    )
-    common.atomic_save(
-        {
-            "script": SCRIPT,
-            "policy": common.trained_weights(policy),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "args": dataclasses.asdict(args),
-            "rng": common.get_rng_state(),
-            "digests": common.input_digests(args.dataset, args.reward_fn),
-            "reference": reference.state_dict()
-            if isinstance(reference, torch.nn.Module) and args.iterations > 1
-            else None,
-            "iteration": step // steps_per_iteration,
-            "steps_per_iteration": steps_per_iteration,
-            **rm_state,
-        },
-        log.checkpoint,
-    )
+    length = args.total_steps // args.iterations
+    rm_state = dict(reward_model=None, rm_optimizer=None, rm_new=[], rm_replay=[])
+    if rm_training is not None:
+        rm_state = rm_training.state()
+    state = dict(script=SCRIPT, policy=common.trained_weights(policy), step=step)
+    state.update(optimizer=optimizer.state_dict(), args=dataclasses.asdict(args))
+    state.update(rng=common.get_rng_state(), iteration=step // length, steps_per_iteration=length)
+    state["digests"] = common.input_digests(args.dataset, args.reward_fn)
+    keep_reference = isinstance(reference, torch.nn.Module) and args.iterations > 1
+    state["reference"] = reference.state_dict() if keep_reference else None
+    common.atomic_save(state | rm_state, log.checkpoint)
 
 
 def cli(argv: list[str] | None = None) -> None:
