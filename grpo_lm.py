@@ -609,16 +609,14 @@ def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Bat
     responses = [args.response_prefix + c for c in batch.completions]  # what the rewards read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
     by_model = sampler.reward_model is not None and trained
-    batch.verifiable = None
     if not by_model or args.train_reward_model:  # --reward-fn: each function's own rewards too
         batch.verifiable, batch.reward_fns = tasks.score_task(task, responses, examples)
     batch.rewards = batch.verifiable
     if by_model:
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
         model, size = sampler.reward_model, args.micro_batch_size
-        scores = common.score_with_reward_model(model, ids, attention_mask, size, device, args.bf16)
-        batch.rewards = scores
+        batch.rewards = common.score_with_reward_model(model, ids, mask, size, device, args.bf16)
     batch.correct = tasks.score_correct(task, responses, examples)
     eos = (batch.completion_ids == sampler.tokenizer.eos_token_id) & batch.completion_mask.bool()
     batch.truncated = ~eos.any(1)
@@ -703,9 +701,7 @@ def process_advantages(
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     if num_sequences % group_size or torch.bincount(seq, minlength=num_sequences).min() < 1:
-        raise ValueError(
-            "every completion needs at least one step (its final answer), in groups of group_size"
-        )
+        raise ValueError("every completion needs at least one step, in groups of group_size")
     if end.min() < 0 or end.max() >= num_tokens:
         raise ValueError(f"step ends must lie in [0, {num_tokens})")
     group = seq // group_size
