@@ -759,7 +759,7 @@ class RewardModelTraining:
         n_eval = int(len(shuffled) * args.rm_eval_fraction)
         held_out, fresh = shuffled[:n_eval], shuffled[n_eval:]
         data = replay_mix(fresh, self.replay, args.rm_replay_ratio, rng)
-        before = self.accuracy(held_out) if held_out else None
+        before = self.accuracy(held_out)[0] if held_out else None
         for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
             order = rng.permutation(len(data))
             for i in range(0, len(data), mb):
@@ -779,7 +779,7 @@ class RewardModelTraining:
         scalars["reward_model/replay_fraction"] = 1 - len(fresh) / len(data)
         if held_out:
             accuracy, mse = self.accuracy(held_out)
-            scalars["reward_model/heldout_accuracy_before"] = before[0]
+            scalars["reward_model/heldout_accuracy_before"] = before
             scalars["reward_model/heldout_accuracy"] = accuracy
             scalars["reward_model/heldout_mse"] = mse
         return scalars
@@ -792,9 +792,8 @@ class RewardModelTraining:
             padded = (common.pad_left(c, pad, self.device) for c in chunks)
             scores = torch.cat([common.reward_model_scores(self.model, *x).cpu() for x in padded])
         labels = torch.tensor([s["label"] for s in samples])
-        return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(
-            scores, labels
-        ).item()
+        accurate = ((scores - labels).abs() < 0.5).float().mean().item()
+        return accurate, F.mse_loss(scores, labels).item()
 
     def state(self) -> dict:
         state = dict(reward_model=self.model.state_dict(), rm_optimizer=self.optimizer.state_dict())
