@@ -469,10 +469,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
     start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
     bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo", bar)
-    sampling_model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
-    sampler = Sampler(
-        sampling_model, options, tokenizer, questions, task, reward_model, rank, world
-    )
+    sampler_model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
+    sampler = Sampler(sampler_model, options, tokenizer, questions, task, reward_model, rank, world)
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
