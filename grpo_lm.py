@@ -1,51 +1,33 @@
 """Group Relative Policy Optimization (GRPO) for language models, in one file.
 
-Read beside DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), §4.1 and its Algorithm 1:
-for each question q sample a group of G outputs {o_1..o_G} from the old policy pi_old, score them,
-use the group-normalised reward as the advantage of every token (outcome supervision, §4.1.2),
-and maximise the clipped surrogate with a k3 KL penalty to a frozen reference model (eq. 3, 4):
+Read beside DeepSeekMath (Shao et al. 2024, arXiv 2402.03300), §4.1 and its Algorithm 1: sample a
+group of G outputs o_i of each question q from pi_old, give every token of o_i the group-normalised
+reward as its advantage (§4.1.2), and maximise the clipped surrogate with a k3 KL penalty to a
+frozen reference (eq. 3, 4); no value model:
 
   J(theta) = E[ 1/G sum_i 1/|o_i| sum_t { min(ratio_it * A_it, clip(ratio_it, 1-eps, 1+eps) * A_it)
                                           - beta * KL_it } ],
   ratio_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t),
   KL_it    = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                                     (eq. 4)
 
-No value model. With --mu > 1 the batch is reused for mu updates: pi_old is the policy that sampled
-it, so ratio_it uses the old log probs stored once before the first update (step 4); with mu = 1
-pi_old = pi_theta and ratio_it = 1 (its gradient is still that of eq. 3).
+With --mu 1 pi_old = pi_theta and ratio_it = 1 (its gradient is still eq. 3's); with --mu > 1 the
+old log probs are stored once before the first of the mu updates.
 
-Where Algorithm 1 lives (read from the top down to the end of main(); the rest is below it):
-  Args, Batch    the flags (each constraint beside it); the samples of steps 1-2 of a step
-  ALGO LOGIC     completion_mask, group_advantages (§4.1.2), MicroBatch, token_log_probs, k3_kl
-                 (eq. 4), grpo_loss (eq. 3), aggregate (eq. 3's 1/G sum_i 1/|o_i| sum_t),
-                 float32_lm_head (numerics)
-  main()         input: policy, reference, reward; then per step: 0. reference <- policy at each
-                 iteration, 1. sample G outputs per question, 2. rewards, 3. advantages, 4. old
-                 and reference log probs, 5. mu updates of eq. 3, 6. the reward model's training
-  below main()   steps 1-2 in full (sample_and_score, reward), then the extensions, each in a
-                 labelled section
-Every flag defaults to the paper's GRPO. Each extension reaches the loop through one line tagged
-with its source and lives in a named function below main(), or is an option of a math-block function
-(the loss variants, passed by variant_options): DeepSeekMath's own process supervision (§4.1.3,
---supervision process) and iterative RL with a retrained reward model (Algorithm 1, --iterations,
---train-reward-model); later variants: Dr. GRPO (arXiv 2503.20783: --loss-type dr_grpo,
---scale-rewards), DAPO (arXiv 2503.14476: --clip-range-high, --dynamic-sampling, --overlong-buffer,
---mask-truncated-completions, --loss-type dapo), GSPO (arXiv 2507.18071: --importance-sampling-level
-sequence); scale-out and speed: the samplers (--fast-generation, --tis-cap), micro-batches,
-torchrun. The run features both LM scripts share (your own --reward-fn, --dataset fields, --task
-countdown, --answer-format think, --lora-rank, --track, --eval-only) are plumbing in common.py: the
-loop reads the same with them. Departures from the paper: the learning rate (1e-5, as its 1e-6
-barely moves a 135M model in 30 steps), G = 8 and 4 questions per step by default, and the KL and
-ratio taken between temperature-scaled distributions (softmax(logits / T)). Where the paper leaves a
-choice open: process supervision makes each completion's final answer one more step, carrying the
-outcome reward, and the iterative reward model is trained by MSE regression on the verifiable
-reward.
+Read from the top down to the end of main(): Args; Batch (steps 1-2's samples); ALGO LOGIC, the
+math (group_advantages §4.1.2, token_log_probs, k3_kl eq. 4, grpo_loss eq. 3, aggregate); main(),
+Algorithm 1 step by step. Below main(): steps 1-2 in full (sample_and_score, reward), then each
+extension in a labelled section, reaching the loop through one line tagged with its source:
+process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
+(arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071), TIS; micro-batches; then the
+run plumbing. Every flag defaults to the paper's GRPO. Departures: learning rate 1e-5 (the paper's
+1e-6 barely moves a 135M model in 30 steps), G = 8 and 4 questions per step, KL and ratio between
+temperature-scaled distributions. Where the paper leaves a choice open: process supervision makes
+the final answer one more step with the outcome reward; the iterative reward model regresses (MSE)
+on the verifiable reward.
 
-Several GPUs (as nanoGPT's train.py): the same file runs under `torchrun --nproc_per_node K
-grpo_lm.py ...`. --prompts-per-step stays the global number of questions; each process samples and
-trains on its share of whole groups (group statistics unchanged), every loss is normalised by counts
-of the global batch and gradients are summed over processes once per update, so K processes take the
-same step as one process with the same batch. Only rank 0 logs, evaluates and writes checkpoints.
+Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
+groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
+once per update, so K processes take one process's step. Only rank 0 logs and saves.
 
 Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
         torchrun --nproc_per_node 8 grpo_lm.py --prompts-per-step 64 --group-size 16
@@ -55,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,269 +59,198 @@ from common import UsageError, check
 @pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
+
+    # policy to train: local directory or Hub id of a causal LM (default: SmolLM2-135M-Instruct)
     model_name_or_path: str = common.DEFAULT_MODEL
-    """policy to train: a local directory or Hub id of a causal LM (default: offline
-    SmolLM2-135M-Instruct)"""
+    # sequence-classification reward model, pooled at the last non-pad token (default: the task's
+    # verifiable reward); frozen unless --train-reward-model
     reward_model_path: str | None = None
-    """sequence-classification reward model, read as its own forward pass pools (the last non-pad
-    token) (default: the task's verifiable reward); frozen unless --train-reward-model"""
+    # 'addition' ("What is a + b?"), 'multistep' ("Compute (a + b) * c - d") or 'countdown' (make a
+    # target from 4 numbers with + - * /, as TinyZero)
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep'
-    ("Compute (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as
-    TinyZero)"""
+    # JSONL file of questions and answers (GSM8K's '... #### N' or plain); overrides --task
     dataset: str | None = None
-    """JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer);
-    overrides --task"""
-    prompt_field: str = "question"
-    """--dataset: the field that holds the question"""
-    answer_field: str = "answer"
-    """--dataset: the field that holds the answer"""
-    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
-        default_factory=list
-    )
-    """your own reward, path/to/file.py:function with function(completion, example) -> float,
-    repeatable; the spec 'task' is the task's own reward; the weighted sum is the reward (default:
-    the task's)"""
+    prompt_field: str = "question"  # --dataset: the field that holds the question
+    answer_field: str = "answer"  # --dataset: the field that holds the answer
+    # your own reward, file.py:function with function(completion, example) -> float, repeatable
+    # ('task': the task's reward); the reward is their weighted sum (default: the task's)
+    reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
+    # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    """weights of the --reward-fn functions, in order (default: 1 each)"""
+    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
+    # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
     format_reward: float = 0.0
-    """reward for the expected format (0 = off): a completion that ends with a number, Countdown's
-    <answer> block, or with --answer-format think the whole <think> ... </think> <answer> ...
-    </answer> shape"""
+    # 'think': completions are <think> ... </think> <answer> ... </answer>; rewards read the answer
     answer_format: Literal["plain", "think"] = "plain"
-    """'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and
-    accuracy read the answer block"""
+    # system message before every question (default: none; --answer-format think: its instructions)
     system_prompt: str | None = None
-    """system message before every question (default: none; with --answer-format think, instructions
-    for that format)"""
+    # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
-    """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
-    see it too"""
-    total_steps: Annotated[int, Ge(1)] = 30
-    """number of exploration stages (sample a batch, then --mu policy updates)"""
-    prompts_per_step: Annotated[int, Ge(1)] = 4
-    """questions sampled per step; each gets --group-size completions"""
-    group_size: Annotated[int, Ge(2)] = 8
-    """G: completions sampled per question (DeepSeekMath used 64)"""
-    max_new_tokens: Annotated[int, Ge(1)] = 64
-    """maximum completion length in tokens"""
-    max_prompt_length: Annotated[int, Ge(1)] = 512
-    """prompts longer than this many tokens are dropped from the training set"""
-    temperature: Annotated[float, Ge(1e-3)] = 0.7
-    """sampling temperature; log probs use the same logits / temperature"""
+    total_steps: Annotated[int, Ge(1)] = 30  # steps: sample a batch, then --mu policy updates
+    prompts_per_step: Annotated[int, Ge(1)] = 4  # questions per step, --group-size outputs each
+    group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
+    max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
+    max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
+    temperature: Annotated[float, Ge(1e-3)] = 0.7  # T of sampling; log probs use logits / T too
+    # nucleus sampling (1.0: the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
-    """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
+    # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    """AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)"""
-    beta: Annotated[float, Ge(0)] = 0.04
-    """KL coefficient beta of the k3 penalty to the reference model (0 = no reference model)"""
-    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2
-    """eps of the clipped surrogate"""
-    mu: Annotated[int, Ge(1)] = 1
-    """policy updates per exploration stage (GRPO iterations of Algorithm 1)"""
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """global gradient-norm clipping (> 0)"""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    """AdamW weight decay"""
-    adv_eps: Annotated[float, Gt(0)] = 1e-4
-    """added to the group std: a group with equal rewards gets advantage 0, never NaN"""
-    # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4, Algorithm
-    # 1) ---
+    beta: Annotated[float, Ge(0)] = 0.04  # KL coefficient of eq. 3 (0: no reference model)
+    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
+    mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
+    weight_decay: Annotated[float, Ge(0)] = 0.0  # AdamW weight decay
+    adv_eps: Annotated[float, Gt(0)] = 1e-4  # added to the group std: equal rewards give 0, not NaN
+
+    # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4) ---
+
+    # 'outcome' (§4.1.2) or 'process' (§4.1.3: rewards of checked equations, and the final answer
+    # as one more step with the outcome reward)
     supervision: Literal["outcome", "process"] = "outcome"
-    """'outcome' (one advantage per completion, §4.1.2) or 'process' (per-step rewards of checked
-    equations, §4.1.3, the final answer one more step with the outcome reward)"""
+    # Algorithm 1 iterations, --total-steps split evenly; each starts with reference <- policy
     iterations: Annotated[int, Ge(1)] = 1
-    """Algorithm 1 iterations: --total-steps is split evenly; each iteration starts with reference
-    <- policy"""
+    # score with a reward model trained after every iteration; without --reward-model-path, the
+    # policy's backbone with a new head, and the verifiable reward scores until its first training
     train_reward_model: bool = False
-    """score with a reward model and train it after every iteration; without --reward-model-path it
-    starts from the policy backbone with a new head, and iteration 1 is scored by the verifiable
-    reward until its first training"""
+    # share of each reward-model training set replayed from earlier iterations (the paper's "10% of
+    # historical data"), drawn without replacement
     rm_replay_ratio: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """share of each reward-model training set replayed from earlier iterations' samples (0.1: the
-    paper's "10% of historical data" read as 10% of the training set, drawn without replacement)"""
+    # AdamW learning rate of the reward model (its weight decay is --weight-decay)
     rm_learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    """AdamW learning rate of the reward model (its weight decay is --weight-decay)"""
+    # passes over each reward-model training set (minibatches of --micro-batch-size)
     rm_epochs: Annotated[int, Ge(1)] = 1
-    """passes over each iteration's reward-model training set (minibatches of --micro-batch-size)"""
+    # share of each iteration's samples held out to measure the reward model's accuracy
     rm_eval_fraction: Annotated[float, Interval(ge=0, lt=1)] = 0.25
-    """fraction of each iteration's samples held out to measure the reward model's accuracy"""
+
     # --- later variants (all default to the paper's GRPO): Dr. GRPO, DAPO, GSPO ---
+
+    # 'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B *
+    # max len)), 'dapo' (token mean over the batch)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
-    """'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B *
-    max len)), 'dapo' (token mean over the batch)"""
+    # divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)"""
+    # upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range
     clip_range_high: Annotated[float, Gt(0)] | None = None
-    """upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range"""
+    # 'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)"""
+    # DAPO: drop groups whose rewards are all equal, sample more questions until the batch is full
     dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more questions until the batch is
-    full"""
+    # --dynamic-sampling: sampling rounds per step at most, then dropped groups fill the batch
     max_sampling_rounds: Annotated[int, Ge(1)] = 4
-    """with --dynamic-sampling: sampling rounds per step at most; then the batch is topped up with
-    dropped groups"""
+    # DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 = off)
     overlong_buffer: Annotated[int, Ge(0)] = 0
-    """DAPO soft overlong punishment: reward -(len - (max - N)) / N in the last N tokens (0 =
-    off)"""
+    # completions that never emitted EOS take no part in the loss (DAPO overlong filtering)
     mask_truncated_completions: bool = False
-    """completions that never emitted EOS take no part in the loss (DAPO overlong filtering)"""
+
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
+
+    # rank R of the adapters (0 = full fine-tuning); the reference is the policy, adapter disabled
     lora_rank: Annotated[int, Ge(0)] = 0
-    """rank R of the LoRA adapters (0 = full fine-tuning); the reference is then the policy with its
-    adapter disabled"""
+    # the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    """LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank"""
+    # modules with adapters: peft names (e.g. q_proj v_proj) or 'all-linear'
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
-    MLP projections)"""
+
     # --- run: experiment, logging, evaluation, checkpoints ---
-    exp_name: str = "grpo_lm"
-    """name of this experiment (part of the run name)"""
+
+    exp_name: str = "grpo_lm"  # name of this experiment (part of the run name)
+    # seed of prompts, sampling and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
-    """seed of the experiment: prompts, sampling and initialisation all flow from it"""
-    runs_dir: str = "runs"
-    """TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/"""
-    run_name: str | None = None
-    """run directory name (default: {task}__{exp_name}__{seed}__{unix time})"""
+    runs_dir: str = "runs"  # logs, args and checkpoints go to {runs_dir}/{run_name}/
+    run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
+    # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
-    """greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)"""
-    eval_size: Annotated[int, Ge(0)] = 128
-    """held-out questions for greedy accuracy (0 = no evaluation, nothing held out)"""
-    eval_batch_size: Annotated[int, Ge(1)] = 64
-    """questions per greedy generation batch during evaluation"""
-    sample_every: Annotated[int, Ge(0)] = 5
-    """print and log sample completions every N steps (0 = never)"""
+    eval_size: Annotated[int, Ge(0)] = 128  # held-out questions (0: no evaluation, none held out)
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
+    sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
+    # write a checkpoint every N steps and at the end (0: only at the end)
     save_every: Annotated[int, Ge(0)] = 10
-    """write a checkpoint every N steps and at the end (0 = only at the end)"""
+    # checkpoint.pt to continue from: its flags are the defaults, flags given again override them
+    # (same flags, same results); the model, group size, reward model, --eval-size and run
+    # directory cannot change
     resume: str | None = None
-    """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
-    them (same flags, same results); the model, group size, reward model, --eval-size and run
-    directory cannot change"""
-    torch_threads: Annotated[int, Ge(0)] = 0
-    """CPU threads for torch (0 = torch's default)"""
+    torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
+    # no training: the greedy held-out accuracy of --resume's checkpoint or of
+    # --model-name-or-path (e.g. a run's final_model/), printed and written to the run directory
     eval_only: bool = False
-    """no training: the greedy held-out accuracy of the --resume checkpoint, or of
-    --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run
-    directory"""
+    # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
     track: bool = False
-    """also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on
-    disk)"""
-    wandb_project_name: str = "minimal-ppo-grpo"
-    """the wandb project of --track"""
-    wandb_entity: str | None = None
-    """the wandb entity (team or user) of --track; default: yours"""
+    wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
+    wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
+
     # --- scale-out and speed: devices, several processes (torchrun), micro-batches, samplers ---
-    device: str = "auto"
-    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
+
+    device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
+    # sequences per forward/backward pass; gradients accumulate over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    """sequences per forward/backward pass; gradients are accumulated over the whole batch"""
+    # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    """groups per generate call (0 = all of a process's groups); samples depend only on --seed, the
-    step and the calls' groups"""
+    # bfloat16 autocast on a CUDA GPU that has it (weights, optimizer, LM head, log-softmax stay
+    # float32); no-op on CPU
     bf16: bool = True
-    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
-    stay float32); no-op on CPU"""
+    # recompute activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
-    """recompute the policy's activations in the backward pass (HF gradient checkpointing): less
-    memory, ~30% slower"""
+    # log probs: each group's prompt through the model once, its keys/values shared by its G outputs
     share_prompt: bool = True
-    """log probs: each group's prompt through the model once, its keys/values shared by the G
-    completions (off: whole sequences)"""
+    # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
+    # transformers compiles on CUDA
     fast_generation: bool = False
-    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache,
-    which transformers compiles on CUDA"""
+    # truncated importance sampling (Yao et al. 2025), with a sampler other than the trained module
+    # (--fast-generation, bf16): each token's surrogate times min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
-    """truncated importance sampling: with a sampler other than the trained module
-    (--fast-generation, bf16 on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C)
-    (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
 @dataclass
 class Batch:
-    """Steps 1-2 of a step, this process's share: N = B * G completions o_i (the G of a question
-    contiguous) of prompts of at most P tokens, T tokens at most each, and their rewards (set by
-    :func:`reward`)."""
+    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of
+    prompts of P tokens, T tokens at most each, and their rewards (set by :func:`reward`)."""
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
     completion_ids: torch.Tensor  # (N, T) the sampled tokens, padding after the first EOS
-    completion_mask: (
-        torch.Tensor
-    )  # (N, T) float, 1 for the tokens of o_i up to and including its first EOS
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
-    sampler_logp: (
-        torch.Tensor | None
-    )  # (N, T) log probs under the sampler when it is not the policy (TIS)
+    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if not the policy's (TIS)
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
-    verifiable: torch.Tensor | None = (
-        None  # (N,) the task's reward (None when a frozen reward model scores)
-    )
+    verifiable: torch.Tensor | None = None  # (N,) the task's reward (None: a frozen RM scores)
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
     truncated: torch.Tensor | None = None  # (N,) bool, no EOS within --max-new-tokens
-    reward_fns: dict[str, torch.Tensor] = dataclasses.field(
-        default_factory=dict
-    )  # --reward-fn: each one's (N,)
-    scalars: dict[str, float] = dataclasses.field(default_factory=dict)  # what the extensions log
+    reward_fns: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # --reward-fn
+    scalars: dict[str, float] = dataclasses.field(default_factory=dict)  # the extensions' logs
 
 
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: the pieces of DeepSeekMath §4.1, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask of the tokens of each completion up to and including its first EOS: the o_i,t that eq. 3
-    sums over (|o_i| is its row sum), as the N+ details' "EOS trick" cuts a response after its first
-    EOS.
-
-    Args:
-        completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
-    Returns:
-        (B, T) float mask, 1 for real completion tokens (the EOS included), 0 after it.
-    """
+    """(B, T) float mask of each completion's tokens up to and including its first EOS (what follows
+    is padding): the o_i,t that eq. 3 sums over, |o_i| its row sum."""
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # number of EOS strictly before t
     return (eos_before == 0).float()
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group"
-) -> torch.Tensor:
-    """Outcome-supervision advantages (DeepSeekMath §4.1.2): ``(r_i - mean(r)) / (std(r) + eps)``.
-
-    Mean and (unbiased) std are taken over the G outputs of the same question. A group whose
-    rewards are all equal gets advantage 0: it carries no signal about which output is better.
-    ``scale="batch"`` divides by the std of the whole batch instead (the group mean is still
-    subtracted); ``scale="none"`` only centres, ``r_i - mean(r)`` (Dr. GRPO, arXiv 2503.20783 §3.1:
-    the std division up-weights questions that are too easy or too hard).
-
-    Args:
-        rewards: (B * G,) one scalar per completion, the G completions of a question contiguous.
-    Returns:
-        (B * G,) advantage of every completion, shared by all its tokens.
-    Raises:
-        ValueError: ``rewards`` cannot be split into groups of ``group_size``, or an unknown
-        ``scale``.
+def group_advantages(rewards: torch.Tensor, group_size: int, eps=1e-4, scale="group"):
+    """Outcome supervision (§4.1.2): (B * G,) ``(r_i - mean(r)) / (std(r) + eps)`` over the G
+    outputs of each question (contiguous in ``rewards``, unbiased std), for every token of o_i; a
+    group of equal rewards gets 0. ``scale="batch"``: the whole batch's std; ``"none"``: only
+    centred (Dr. GRPO, arXiv 2503.20783 §3.1: the std up-weights questions too easy or too hard).
+    Raises ValueError: ``rewards`` do not split into groups of ``group_size``, or a bad ``scale``.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}"
-        )
+        raise ValueError(f"rewards {tuple(rewards.shape)} do not split into groups of {group_size}")
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
     grouped = rewards.view(-1, group_size)
-    mean, std = grouped.mean(1, keepdim=True), grouped.std(1, keepdim=True)
-    if scale == "none":
-        return (grouped - mean).view(-1)
-    if scale == "batch":
-        std = rewards.std()
-    return ((grouped - mean) / (std + eps)).view(-1)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    std = rewards.std() if scale == "batch" else grouped.std(1, keepdim=True)
+    return (centred if scale == "none" else centred / (std + eps)).view(-1)
 
 
 class MicroBatch(NamedTuple):
-    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (a group's G share
-    one)."""
+    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (G share each)."""
 
     prompt_ids: torch.Tensor  # (U, P) the distinct prompts, left-padded
     prompt_mask: torch.Tensor  # (U, P) 1 for real prompt tokens
@@ -349,19 +259,15 @@ class MicroBatch(NamedTuple):
     completion_mask: torch.Tensor  # (b, T) long, 1 up to and including the first EOS
 
 
-def token_log_probs(
-    model, mb: MicroBatch, temperature: float, share_prompt=True, with_entropy=False
-):
+def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_entropy=False):
     """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
-    ``model`` (with ``with_entropy`` also the detached (b, T) entropy of that distribution, for
-    logging).
+    ``model`` (with ``with_entropy`` also the detached (b, T) entropy, for logging).
 
-    With ``share_prompt`` each distinct prompt goes through the model once and its keys and values
-    (with their gradients) serve every completion that continues it: the numbers of a pass over
-    each whole sequence, to float rounding, for 1/G of the prompt's compute (off under gradient
-    checkpointing, which drops the cache). Position ids count real tokens only, as in generation;
-    logits exist for completion positions only; the LM head and the log-softmax run in float32
-    also under bf16 autocast (:func:`float32_lm_head`).
+    ``share_prompt``: each distinct prompt goes through the model once and its keys and values (with
+    their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
+    float rounding, for 1/G of the prompt's compute (off under gradient checkpointing, which drops
+    the cache). Position ids count real tokens only, as in generation; the LM head and log-softmax
+    run in float32 also under bf16 autocast (:func:`float32_lm_head`).
     """
     P, T = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
     mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask], 1)
@@ -376,40 +282,25 @@ def token_log_probs(
                 cache = prefix.past_key_values
                 cache.batch_select_indices(mb.prompt_index)  # (U, ...) -> (b, ...), differentiable
                 rest = dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1])
-                rest = model(
-                    input_ids=mb.completion_ids[:, :-1],
-                    **rest,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
+                ids = mb.completion_ids[:, :-1]
+                rest = model(input_ids=ids, **rest, past_key_values=cache, use_cache=True)
                 logits = torch.cat([logits, rest.logits], 1)
         else:
             ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids], 1)
             whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
-            logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[
-                :, :-1
-            ]  # t -> t + 1
+            logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[:, :-1]  # t -> t+1
     log_probs = (logits.float() / temperature).log_softmax(-1)
     logp = torch.gather(log_probs, 2, mb.completion_ids.unsqueeze(-1)).squeeze(-1)
     return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if with_entropy else logp
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(pi_theta || pi_ref) (DeepSeekMath eq. 4; Schulman 2020,
-    "Approximating KL").
+    """(B, T) per-token k3 estimate of KL(pi_theta || pi_ref), ``pi_ref/pi - log(pi_ref/pi) - 1``
+    >= 0, from the (B, T) log probs of the sampled tokens (DeepSeekMath eq. 4; Schulman 2020).
 
-    ``pi_ref/pi - log(pi_ref/pi) - 1``, always >= 0 and 0 where the log probs agree. Both
-    distributions are the temperature-scaled ones, ``softmax(logits / T)``, as everywhere in this
-    file. As a value it is an unbiased estimate of KL(pi_theta || pi_ref) when the tokens are
-    sampled from pi_theta; with ``--mu > 1`` they come from pi_old, so after the first update it is
-    that only approximately. As a loss term (eq. 3) its gradient at each sampled token is that of
-    KL(pi_ref || pi_theta)'s estimate (d/dlogp = 1 - pi_ref/pi), not of KL(pi_theta || pi_ref): the
-    paper's and TRL's choice, kept here.
-
-    Args:
-        logp, ref_logp: (B, T) log probs of the sampled tokens under the policy and reference.
-    Returns:
-        (B, T) per-token KL estimates.
+    Unbiased for tokens sampled from pi_theta; with ``--mu > 1`` they come from pi_old, so after the
+    first update only approximately. As a loss term its gradient at each sampled token is that of
+    KL(pi_ref || pi_theta)'s estimate (d/dlogp = 1 - pi_ref/pi): the paper's and TRL's choice.
     """
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
@@ -435,23 +326,20 @@ def grpo_loss(
 ):
     """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
 
-    Per token: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
-    ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, defaults to eps), summed as
-    :func:`aggregate` says. ``ratio = exp(logp - old_logp)``, old_logp stored before the first of
-    the mu updates (with mu = 1, ``logp.detach()``); GSPO (arXiv 2507.18071 §4), sequence level: one
-    ratio per completion, ``exp(mean_t(logp - old_logp))``. TIS (Yao et al. 2025; TRL's
-    ``token_truncate``), ``tis_cap > 0``: each token's surrogate (not its KL) is weighted by the
-    detached ``min(pi_old / pi_sampler, tis_cap)``. Masked positions never reach ``exp``.
+    Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
+    ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, default eps), summed as :func:`aggregate`
+    says. ``ratio = exp(logp - old_logp)`` (with mu = 1 old_logp is ``logp.detach()``); GSPO (arXiv
+    2507.18071 §4), sequence level: ``exp(mean_t(logp - old_logp))`` per completion. TIS (Yao et
+    al. 2025; TRL's ``token_truncate``), ``tis_cap > 0``: each token's surrogate (not its KL) times
+    the detached ``min(pi_old / pi_sampler, tis_cap)``. Masked positions never reach ``exp``.
 
     Args:
         logp, old_logp, ref_logp: (b, T) log probs under the policy (with grad), pi_old and the
-            reference (None with ``beta == 0``).
+            reference (None with ``beta == 0``); sampler_logp: (b, T) the sampler's, or None.
         advantages: (b,) one per sequence (outcome) or (b, T) one per token (process).
-        mask: (b, T) 1 for the tokens in the loss; sampler_logp: (b, T) the sampler's log probs when
-            it is not the trained module (``stats`` then holds the gap), or None.
-        num_sequences, loss_type, num_tokens, max_completion_length: see :func:`aggregate`.
+        mask: (b, T) 1 for the tokens in the loss; num_sequences etc.: see :func:`aggregate`.
     Returns:
-        (loss, stats): the scalar loss and detached per-token sums.
+        (loss, stats): the scalar loss and detached per-token sums and extremes, for logging.
     Raises:
         ValueError: unknown ``loss_type`` / ``importance_sampling_level``, or a count it needs.
     """
@@ -460,10 +348,7 @@ def grpo_loss(
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)  # (b, 1), GSPO s_i
     elif importance_sampling_level != "token":
-        raise ValueError(
-            "importance_sampling_level must be 'token' or 'sequence', not "
-            f"{importance_sampling_level!r}"
-        )
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     high = clip_range if clip_range_high is None else clip_range_high
@@ -478,81 +363,55 @@ def grpo_loss(
     loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_completion_length)
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - clip_range))
-        token_ratio = ratio.expand_as(logp)
-        one = ratio.new_tensor(1.0)
         stats = dict(
             kl=(kl * mask).sum(), clipped=(clipped.float() * mask).sum(), tokens=mask.sum()
         )
-        stats["ratio_min"] = token_ratio[valid].min() if valid.any() else one
-        stats["ratio_max"] = token_ratio[valid].max() if valid.any() else one
-        if sampler_logp is not None:
-            gap = (old_logp - sampler_logp).abs()[valid]
-            stats["sampler_gap_sum"] = gap.sum()
-            stats["sampler_gap_max"] = gap.max() if valid.any() else gap.new_tensor(0.0)
+        ratios = ratio.expand_as(logp)[valid] if valid.any() else ratio.new_ones(1)
+        stats.update(ratio_min=ratios.min(), ratio_max=ratios.max())
+        if sampler_logp is not None:  # |log pi_old - log pi_sampler|
+            gap = (old_logp - sampler_logp).abs()[valid] if valid.any() else logp.new_zeros(1)
+            stats.update(sampler_gap_sum=gap.sum(), sampler_gap_max=gap.max())
     return loss, stats
 
 
 def aggregate(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    num_sequences: int,
-    loss_type: str = "grpo",
-    num_tokens: float | None = None,
-    max_completion_length: int | None = None,
+    per_token, mask, num_sequences, loss_type="grpo", num_tokens=None, max_completion_length=None
 ) -> torch.Tensor:
-    """The negated sum of a micro-batch's masked per-token terms of eq. 3, normalised so that the
-    micro-batch losses add up to the loss of the whole batch:
+    """The negated sum of a micro-batch's (b, T) masked per-token terms of eq. 3, normalised so that
+    the micro-batch losses add up to the whole batch's (``num_sequences`` = B * G sequences):
 
-    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``
-      (eq. 3).
-    - ``bnpo``: token mean within this micro-batch, weighted by its share ``b / num_sequences`` of
-      the sequences; depends on micro-batching (micro-batches hold sequences of similar length) and
-      equals ``dapo`` when one micro-batch holds the whole batch.
+    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``.
+    - ``bnpo``: token mean within this micro-batch, times its share ``b / num_sequences`` of the
+      sequences (depends on micro-batching; ``dapo`` when one micro-batch holds the whole batch).
     - ``dr_grpo``: token sum / (``num_sequences * max_completion_length``) (Dr. GRPO, arXiv
       2503.20783 §3.1: eq. 3 without 1/|o_i|).
-    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3,
-      token-level loss).
+    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3).
 
-    Args:
-        per_token, mask: (b, T); num_sequences: B * G, sequences in the whole batch;
-            num_tokens: ``mask`` summed over the whole batch (``dapo``); max_completion_length:
-            ``--max-new-tokens`` (``dr_grpo``).
-    Returns:
-        the scalar loss.
-    Raises:
-        ValueError: unknown ``loss_type``, or the count it needs is missing.
+    Raises ValueError: unknown ``loss_type``, or the count it needs is missing.
     """
+    masked = per_token * mask
     if loss_type == "grpo":
-        lengths = mask.sum(1).clamp(min=1)  # |o_i|
-        per_sequence = (per_token * mask).sum(1) / lengths
-        return -per_sequence.sum() / num_sequences
+        return -(masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
     if loss_type == "bnpo":
-        return -(per_token * mask).sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
+        return -masked.sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
     if loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
-        return -(per_token * mask).sum() / (num_sequences * max_completion_length)
+        return -masked.sum() / (num_sequences * max_completion_length)
     if loss_type == "dapo":
         if num_tokens is None:
-            raise ValueError(
-                "loss_type 'dapo' needs num_tokens, the valid tokens of the whole batch"
-            )
-        return -(per_token * mask).sum() / max(float(num_tokens), 1.0)
+            raise ValueError("loss_type 'dapo' needs num_tokens, the whole batch's valid tokens")
+        return -masked.sum() / max(float(num_tokens), 1.0)
     raise ValueError(f"loss_type must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', not {loss_type!r}")
 
 
 @contextlib.contextmanager
 def float32_lm_head(model):
-    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
-
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor
-    under every log prob that enters the loss: on a policy a hair away from its reference, the k3 KL
-    read ~1.5e-3 per token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward
-    runs on the hidden states cast to float32 with autocast off, so a LoRA adapter on the head
-    (``--lora-target-modules lm_head``) acts too; the head's weights are float32
-    (``common.load_model`` loads them so) and are neither copied nor cast. Without autocast it is
-    the head's usual forward, so the numbers do not change.
-    """
+    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast:
+    logits rounded to bf16 put a floor under every log prob (the k3 KL read ~1.5e-3 per token
+    against a true 1e-5, benchmarks/bf16_numerics.py). The head (float32 weights, as
+    ``common.load_model`` loads them, LoRA adapter included) runs on float32 hidden states with
+    autocast off; without autocast it is the head's usual forward, the same numbers."""
     head = model.get_output_embeddings()
     own_forward, patched = head.forward, "forward" in vars(head)
 
@@ -610,7 +469,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
     start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
     bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo", bar)
-    sampler = make_sampler(policy, tokenizer, questions, task, reward_model, args, rank, world)
+    sampler_model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
+    sampler = Sampler(sampler_model, options, tokenizer, questions, task, reward_model, rank, world)
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -663,7 +523,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
         # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
         loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO, GSPO, TIS (off: the paper)
-        totals = new_totals()
+        totals = []  # every micro-batch's loss statistics, for step_metrics
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             with common.train_mode((policy,), args.gradient_checkpointing):
@@ -678,7 +538,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
                         logp, old, ref, adv, mask, eps, beta, N_all, sampler_logp=tis, **loss_kw
                     )
                     loss.backward()
-                    accumulate(totals, loss, stats, entropy * mask)
+                    totals.append(dict(stats, loss=loss.detach(), entropy=(entropy * mask).sum()))
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             where = f"step {step + 1}"
@@ -710,46 +570,30 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
 # Steps 1-2 of Algorithm 1: sample G outputs of each question from pi_old, and their rewards
 # ----------------------------------------------------------------------------------------------
 def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: int = 0) -> Batch:
-    """Steps 1-2 for one draw of questions: this process's B questions, G completions of each, and
-    their rewards.
-
-    The questions are drawn from ``(--seed, step, round_)``; the completions come from
-    ``softmax(logits / T)`` (within the top-p nucleus) through ``common.generate_completions``, in
-    calls of --generation-groups-per-call groups, each reseeded from ``(--seed, step, round_, global
-    index of its first group)``: samples depend on the seed, the step and the groups, not on how
-    many processes share the batch.
-
-    Returns:
-        the :class:`Batch`, its rewards set by :func:`reward`.
-    """
-    G, tokenizer = args.group_size, sampler.tokenizer
+    """Steps 1-2 for one draw of questions, from ``(--seed, step, round_)``: this process's B
+    questions, G completions of each from ``softmax(logits / T)`` (within the top-p nucleus), and
+    their rewards (:func:`reward`). Each generate call of --generation-groups-per-call groups is
+    reseeded from ``(--seed, step, round_, global index of its first group)``: the samples do not
+    depend on how many processes share the batch."""
+    G, tokenizer, pad = args.group_size, sampler.tokenizer, sampler.tokenizer.pad_token_id
     B = args.prompts_per_step // sampler.world
-    first_group = (
-        sampler.rank * B
-    )  # this process's share: groups first_group .. first_group + B - 1
+    first = sampler.rank * B  # this process's groups: first .. first + B - 1
     rng = np.random.default_rng([args.seed, step] + ([round_] if round_ else []))
     picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
-    # the G outputs of a question are contiguous
-    examples = [
-        sampler.questions[i] for i in picks[first_group : first_group + B] for _ in range(G)
-    ]
+    examples = [sampler.questions[i] for i in picks[first : first + B] for _ in range(G)]
     style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *style)
-    seeds = dict(seed_keys=(args.seed, step, round_), first=first_group)
+    seeds = dict(seed_keys=(args.seed, step, round_), first=first)
     rows, row_logps = common.generate_completions(
         sampler.model, prompts, G, tokenizer, device, **seeds, **sampler.options
     )
-    prompt_ids, prompt_mask = common.pad_left(
-        [p for p in prompts for _ in range(G)], tokenizer.pad_token_id, device
-    )
+    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], pad, device)
     T = max(len(r) for r in rows)
-    completion_ids = torch.tensor(
-        [r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device
-    )
+    completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
-    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
-    sampler_logp = None
-    if sampler.options["record"] and row_logps is not None:
+    completion_ids = torch.where(mask.bool(), completion_ids, pad)
+    sampler_logp = None  # recorded when the sampler is not the trained module (--fast-generation)
+    if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples, texts, sampler_logp)
@@ -757,58 +601,37 @@ def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: in
 
 
 def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """Step 2: the rewards of a batch's completions, from the task's reward function or the reward
-    model.
-
-    A reward model trained from the policy's backbone (--train-reward-model without
-    --reward-model-path) scores from iteration 2 on, once it has been trained; until then the
-    verifiable reward scores (Algorithm 1).
-
-    Returns:
-        ``batch`` with its ``rewards``, ``verifiable``, ``correct``, ``truncated`` and
-        ``reward_fns`` set.
-    Raises:
-        UsageError: the reward function raises or returns a non-finite value.
-    """
+    """Step 2: ``batch`` with its rewards, from the task's reward functions or the reward model, and
+    its ``verifiable``, ``correct``, ``truncated`` and ``reward_fns``. A reward model trained from
+    the policy's backbone scores from iteration 2 on, once trained; until then the verifiable reward
+    does (Algorithm 1). Raises UsageError: a reward function raises or returns NaN or inf."""
     examples, task = batch.examples, sampler.task
-    responses = [
-        args.response_prefix + c for c in batch.completions
-    ]  # what the reward functions read
+    responses = [args.response_prefix + c for c in batch.completions]  # what the rewards read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
-    scored_by_model = sampler.reward_model is not None and trained
-    verifiable, each = None, {}
-    if not scored_by_model or args.train_reward_model:
-        verifiable, each = tasks.score_task(
-            task, responses, examples
-        )  # --reward-fn: each function's own rewards
-    if scored_by_model:
-        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
-        rewards = common.score_with_reward_model(
-            sampler.reward_model,
-            input_ids,
-            attention_mask,
-            args.micro_batch_size,
-            device,
-            args.bf16,
-        )
-    else:
-        rewards = verifiable
-    eos = sampler.tokenizer.eos_token_id
-    batch.rewards, batch.verifiable, batch.reward_fns = rewards, verifiable, each
+    by_model = sampler.reward_model is not None and trained
+    if not by_model or args.train_reward_model:  # --reward-fn: each function's own rewards too
+        batch.verifiable, batch.reward_fns = tasks.score_task(task, responses, examples)
+    batch.rewards = batch.verifiable
+    if by_model:
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
+        model, size = sampler.reward_model, args.micro_batch_size
+        batch.rewards = common.score_with_reward_model(model, ids, mask, size, device, args.bf16)
     batch.correct = tasks.score_correct(task, responses, examples)
-    batch.truncated = ~((batch.completion_ids == eos) & batch.completion_mask.bool()).any(1)
+    eos = (batch.completion_ids == sampler.tokenizer.eos_token_id) & batch.completion_mask.bool()
+    batch.truncated = ~eos.any(1)
     return batch
 
 
 @dataclass
 class Sampler:
-    """What steps 1-2 sample with and score by, made once by :func:`make_sampler`."""
+    """What steps 1-2 sample with and score by. With --fast-generation the model is a bfloat16 copy
+    of the policy with a static KV cache (compiled on CUDA); log probs for the loss always come from
+    the policy, so a bf16 sampler draws from a slightly different distribution than the ratio and
+    the KL assume: the gap is logged (sampling/logp_diff_*) and --tis-cap corrects it."""
 
     model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
-    # common.generate_completions' options (temperature, top-p, lengths, ...); its "record": keep
-    # the sampler's own log probs (it is not the trained module, or runs in bf16)
-    options: dict
+    options: dict  # common.generate_completions' options (temperature, top-p, lengths, ...)
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
     task: tasks.Task
@@ -817,150 +640,90 @@ class Sampler:
     world: int
 
 
-def make_sampler(
-    policy,
-    tokenizer,
-    questions: list[dict],
-    task: tasks.Task,
-    reward_model,
-    args: Args,
-    rank: int,
-    world: int,
-) -> Sampler:
-    """The sampler of steps 1-2: the policy itself; with --fast-generation a bfloat16 copy of it,
-    with a static KV cache that transformers compiles on CUDA. Log probs for the loss always come
-    from the policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different
-    distribution than the ratio and the KL assume: the gap is logged every step
-    (sampling/logp_diff_*) and --tis-cap corrects it.
-    """
-    model, options = common.sampler_for(policy, args, args.generation_groups_per_call)
-    return Sampler(model, options, tokenizer, questions, task, reward_model, rank, world)
-
-
 # ----------------------------------------------------------------------------------------------
 # DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model
 # (§4.1.4)
 # ----------------------------------------------------------------------------------------------
-def process_supervision(
-    batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device
-) -> torch.Tensor:
-    """Process supervision (§4.1.3): the checked steps of every completion, plus its final answer as
-    one more step with the outcome reward, normalised over the G outputs of its question
-    (:func:`process_advantages`).
-
-    Args:
-        batch: the step's samples (steps 1-2): N completions of T tokens at most, (N,) rewards.
-        step_reward_fn: ``(completion, example) -> [(end character offset, reward), ...]``.
-    Returns:
-        (N, T) advantages on ``device``; the logged ``process/*`` scalars (over every process) go to
-        ``batch.scalars``.
-    Raises:
-        UsageError: the step reward function raises.
-    """
-    completion_ids, lengths = batch.completion_ids, batch.completion_mask.sum(1)
-    N, T = completion_ids.shape
+def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args: Args, device):
+    """§4.1.3: (N, T) advantages on ``device`` from the steps that ``step_reward_fn(completion,
+    example) -> [(end character offset, reward), ...]`` checks in each completion, plus its final
+    answer as one more step with the outcome reward (:func:`process_advantages`); the ``process/*``
+    scalars (over every process) go to ``batch.scalars``. Raises UsageError: the function raises."""
+    N, T = batch.completion_ids.shape
     step_r, step_i, step_t = [], [], []
     for i, (text, ex) in enumerate(zip(batch.completions, batch.examples, strict=True)):
-        n_i = int(lengths[i])
+        n_i = int(batch.completion_mask[i].sum())
         try:
             steps = [(int(end), float(reward)) for end, reward in step_reward_fn(text, ex)]
         except Exception as e:  # noqa: BLE001 - user code fails the same way as a reward function
             raise UsageError(
                 f"step reward function raised {type(e).__name__}: {e} on completion {text[:60]!r}"
             ) from None
-        ends = tasks.char_ends_to_token_indices(
-            tokenizer, completion_ids[i, :n_i].tolist(), [e for e, _ in steps]
-        )
+        ids = batch.completion_ids[i, :n_i].tolist()
+        ends = tasks.char_ends_to_token_indices(tokenizer, ids, [end for end, _ in steps])
         step_r += [reward for _, reward in steps] + [batch.rewards[i].item()]
         step_t += [min(t, n_i - 1) for t in ends] + [n_i - 1]
         step_i += [i] * (len(steps) + 1)
     batch_std = None
     if args.scale_rewards == "batch":
         batch_std = torch.tensor(common.all_gather_objects(step_r)).std()
-    steps = (torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t))
-    advantages = process_advantages(
-        *steps, N, T, args.group_size, args.adv_eps, args.scale_rewards, batch_std
-    )
-    # the steps other than the final answers, summed over every process
-    checked = [len(step_r) - N, sum(step_r) - batch.rewards.sum().item()]
+    steps = torch.tensor(step_r), torch.tensor(step_i), torch.tensor(step_t)
+    G, eps, scale = args.group_size, args.adv_eps, args.scale_rewards
+    advantages = process_advantages(*steps, N, T, G, eps, scale, batch_std)
+    checked = [len(step_r) - N, sum(step_r) - batch.rewards.sum().item()]  # not the final answers
     checked, step_sum = common.all_reduce(torch.tensor(checked, dtype=torch.float64)).tolist()
-    batch.scalars["process/steps_per_completion"] = checked / (
-        args.prompts_per_step * args.group_size
-    )
+    batch.scalars["process/steps_per_completion"] = checked / (args.prompts_per_step * G)
     batch.scalars["process/step_reward_mean"] = step_sum / max(checked, 1)
     return advantages.to(device)
 
 
 def process_advantages(
-    step_rewards: torch.Tensor,
-    step_seq: torch.Tensor,
-    step_end: torch.Tensor,
-    num_sequences: int,
-    num_tokens: int,
-    group_size: int,
-    eps: float = 1e-4,
-    scale: str = "group",
-    batch_std: float | None = None,
+    rewards,
+    seq,
+    end,
+    num_sequences,
+    num_tokens,
+    group_size,
+    eps=1e-4,
+    scale="group",
+    batch_std=None,
 ) -> torch.Tensor:
-    """Process-supervision advantages (DeepSeekMath §4.1.3), one per token.
+    """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``).
 
-    The rewards of all steps of the G outputs of a question are normalised together,
-    ``r~_j = (r_j - mean) / (std + eps)`` (unbiased std over those steps); then
-    ``A_i,t = sum of r~_j over the steps j of output i that end at or after token t``.
-    ``scale`` as in :func:`group_advantages` ("batch": std over every step of the batch; "none":
-    no division). The caller makes the final answer one more step, ending at the last token, with
-    the outcome reward: a completion without checkable steps then falls back to its outcome reward.
-
-    Args:
-        step_rewards: (S,) reward of every step of every completion.
-        step_seq: (S,) long, the completion i (0..B*G-1) each step belongs to.
-        step_end: (S,) long, the index t of the step's last token in its completion.
-        num_sequences: B * G; num_tokens: T, the width of the returned tensor.
-        batch_std: with ``scale="batch"``, the std of the step rewards of the whole batch when it
-            spans several processes (default: ``step_rewards.std()``).
-    Returns:
-        (B * G, T) advantages; tokens after the last step (padding) get 0.
-    Raises:
-        ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``/group
-        size.
+    The (S,) ``rewards`` of every step of the G outputs of a question, each step j in completion
+    ``seq[j]`` ending at its token ``end[j]``, are normalised together, ``r~_j = (r_j - mean) / (std
+    + eps)`` (unbiased std); then ``A_i,t`` = the sum of r~_j over the steps of output i that end at
+    or after t (0 after the last step). ``scale`` as in :func:`group_advantages` ("batch": the std
+    of every step of the batch, ``batch_std`` when it spans several processes). The caller makes
+    the final answer one more step with the outcome reward, so every completion has a step.
+    Raises ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``.
     """
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', not {scale!r}")
-    if num_sequences % group_size or torch.bincount(step_seq, minlength=num_sequences).min() < 1:
-        raise ValueError(
-            "every completion needs at least one step (its final answer), in groups of group_size"
-        )
-    if step_end.min() < 0 or step_end.max() >= num_tokens:
+    if num_sequences % group_size or torch.bincount(seq, minlength=num_sequences).min() < 1:
+        raise ValueError("every completion needs at least one step, in groups of group_size")
+    if end.min() < 0 or end.max() >= num_tokens:
         raise ValueError(f"step ends must lie in [0, {num_tokens})")
-    group = step_seq // group_size
-    normalised = torch.empty_like(step_rewards)
+    group = seq // group_size
+    normalised = torch.empty_like(rewards)
     for g in range(num_sequences // group_size):
-        r = step_rewards[group == g]
+        r = rewards[group == g]
         centred = r - r.mean()
         normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
     if scale == "batch":
-        normalised = normalised / ((step_rewards.std() if batch_std is None else batch_std) + eps)
-    at_end = torch.zeros(num_sequences, num_tokens, dtype=step_rewards.dtype)
-    at_end.index_put_(
-        (step_seq, step_end), normalised, accumulate=True
-    )  # r~_j placed at the step's last token
+        normalised = normalised / ((rewards.std() if batch_std is None else batch_std) + eps)
+    at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
+    at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
 
 
 def make_reward_model(args: Args, tokenizer, device):
-    """The reward model r_phi, or None for the task's verifiable reward.
-
-    --reward-model-path: a trained sequence-classification model, frozen unless
-    --train-reward-model; with --train-reward-model alone, the policy's backbone with a new score
-    head (Algorithm 1, §4.1.4).
-    """
+    """r_phi, or None for the task's verifiable reward: --reward-model-path's model (frozen unless
+    --train-reward-model), or with --train-reward-model alone the policy's backbone with a new score
+    head (Algorithm 1, §4.1.4)."""
     if args.reward_model_path:
-        model = (
-            common.load_reward_model(args.reward_model_path, tokenizer, device)
-            .eval()
-            .requires_grad_(False)
-        )
-        return model.requires_grad_(True) if args.train_reward_model else model
+        model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval()
+        return model.requires_grad_(args.train_reward_model)
     if args.train_reward_model:
         model = common.load_model(args.model_name_or_path, kind="reward", device=device).eval()
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -969,41 +732,24 @@ def make_reward_model(args: Args, tokenizer, device):
 
 
 class RewardModelTraining:
-    """Algorithm 1, line 12 (§4.1.4): the reward model r_phi is trained continually, by MSE
-    regression of its score on the verifiable reward, on each iteration's samples with a replay of
-    earlier iterations' samples (--rm-replay-ratio of each training set), after the iteration's last
-    step.
-
-    ``add(batch)`` keeps a step's samples, gathered from every process so that each trains the same
-    model; ``train(step, checkpoint)`` trains and returns the logged ``reward_model/*`` scalars.
-    """
+    """Algorithm 1, line 12 (§4.1.4): r_phi trained continually, by MSE regression of its score on
+    the verifiable reward, after each iteration's last step, on the iteration's samples and a replay
+    of earlier ones (--rm-replay-ratio of each training set). ``add(batch)`` keeps a step's samples
+    from every process, so that each trains the same model; ``train`` returns the logged scalars."""
 
     def __init__(self, model, tokenizer, args: Args, device):
         self.model, self.tokenizer, self.args, self.device = model, tokenizer, args, device
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=args.rm_learning_rate, weight_decay=args.weight_decay
-        )
-        self.new: list[
-            dict
-        ] = []  # this iteration's samples: {"ids": prompt + completion, "label": verifiable reward}
-        self.replay: list[
-            dict
-        ] = []  # every earlier iteration's training samples, for the replay mix
+        lr, weight_decay = args.rm_learning_rate, args.weight_decay
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.new: list[dict] = []  # this iteration's {"ids": prompt + completion, "label": reward}
+        self.replay: list[dict] = []  # every earlier iteration's training samples
 
     def add(self, batch: Batch) -> None:
-        prompts = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)
-        ]
-        completions = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
-        ]
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        real = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1).bool()
+        rows = zip(ids, real, batch.verifiable, strict=True)
         self.new += common.all_gather_objects(
-            [
-                {"ids": p + c, "label": label.item()}
-                for p, c, label in zip(prompts, completions, batch.verifiable, strict=True)
-            ]
+            [{"ids": i[m].tolist(), "label": label.item()} for i, m, label in rows]
         )
 
     def train(self, step: int, checkpoint: Path) -> dict:
@@ -1013,50 +759,45 @@ class RewardModelTraining:
         n_eval = int(len(shuffled) * args.rm_eval_fraction)
         held_out, fresh = shuffled[:n_eval], shuffled[n_eval:]
         data = replay_mix(fresh, self.replay, args.rm_replay_ratio, rng)
-        before = (
-            reward_model_accuracy(self.model, held_out, pad, mb, self.device) if held_out else None
-        )
+        before = self.accuracy(held_out)[0] if held_out else None
         for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
             order = rng.permutation(len(data))
             for i in range(0, len(data), mb):
                 chunk = [data[j] for j in order[i : i + mb]]
-                ids, att = common.pad_left([c["ids"] for c in chunk], pad, self.device)
+                ids, attention_mask = common.pad_left([c["ids"] for c in chunk], pad, self.device)
+                labels = torch.tensor([c["label"] for c in chunk], device=self.device)
                 with common.bf16_autocast(self.device, args.bf16):
-                    scores = common.reward_model_scores(self.model, ids, att)
-                loss = F.mse_loss(
-                    scores, torch.tensor([c["label"] for c in chunk], device=self.device)
-                )
-                common.check_finite_update(
-                    f"step {step + 1}", "--rm-learning-rate", checkpoint, reward_model_loss=loss
-                )
+                    scores = common.reward_model_scores(self.model, ids, attention_mask)
+                loss = F.mse_loss(scores, labels)
+                where, hint = f"step {step + 1}", "--rm-learning-rate"
+                common.check_finite_update(where, hint, checkpoint, reward_model_loss=loss)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-        self.replay += fresh
-        self.new = []
-        scalars = {
-            "reward_model/train_mse": loss.item(),
-            "reward_model/train_size": len(data),
-            "reward_model/replay_fraction": 1 - len(fresh) / len(data),
-        }
+        self.replay, self.new = self.replay + fresh, []
+        scalars = {"reward_model/train_mse": loss.item(), "reward_model/train_size": len(data)}
+        scalars["reward_model/replay_fraction"] = 1 - len(fresh) / len(data)
         if held_out:
-            after = reward_model_accuracy(self.model, held_out, pad, mb, self.device)
-            scalars.update(
-                {
-                    "reward_model/heldout_accuracy_before": before[0],
-                    "reward_model/heldout_accuracy": after[0],
-                    "reward_model/heldout_mse": after[1],
-                }
-            )
+            accuracy, mse = self.accuracy(held_out)
+            scalars["reward_model/heldout_accuracy_before"] = before
+            scalars["reward_model/heldout_accuracy"] = accuracy
+            scalars["reward_model/heldout_mse"] = mse
         return scalars
 
+    def accuracy(self, samples: list[dict]) -> tuple[float, float]:
+        """(accuracy, MSE) on labelled samples; accurate: |score - label| < 0.5."""
+        pad, mb = self.tokenizer.pad_token_id, self.args.micro_batch_size
+        chunks = [[s["ids"] for s in samples[i : i + mb]] for i in range(0, len(samples), mb)]
+        with torch.no_grad():
+            padded = (common.pad_left(c, pad, self.device) for c in chunks)
+            scores = torch.cat([common.reward_model_scores(self.model, *x).cpu() for x in padded])
+        labels = torch.tensor([s["label"] for s in samples])
+        accurate = ((scores - labels).abs() < 0.5).float().mean().item()
+        return accurate, F.mse_loss(scores, labels).item()
+
     def state(self) -> dict:
-        return {
-            "reward_model": self.model.state_dict(),
-            "rm_optimizer": self.optimizer.state_dict(),
-            "rm_new": self.new,
-            "rm_replay": self.replay,
-        }
+        state = dict(reward_model=self.model.state_dict(), rm_optimizer=self.optimizer.state_dict())
+        return state | dict(rm_new=self.new, rm_replay=self.replay)
 
     def load(self, checkpoint: dict) -> None:
         self.model.load_state_dict(checkpoint["reward_model"])
@@ -1067,38 +808,14 @@ class RewardModelTraining:
 
 
 def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator) -> list:
-    """Reward-model training set of one iteration (DeepSeekMath Algorithm 1, §4.1.4): new + replay.
-
-    ``round(len(new) * ratio / (1 - ratio))`` samples (at most all of ``history``) are drawn
-    without replacement from earlier iterations, so they make up ``ratio`` of the result.
-
-    Raises:
-        ValueError: ``ratio`` outside [0, 1).
+    """One iteration's reward-model training set (Algorithm 1, §4.1.4): ``new`` and
+    ``round(len(new) * ratio / (1 - ratio))`` samples (at most all) of ``history``, drawn without
+    replacement, so that they make up ``ratio`` of it. Raises ValueError: ``ratio`` not in [0, 1).
     """
     if not 0 <= ratio < 1:
         raise ValueError(f"replay ratio must be in [0, 1), not {ratio}")
     k = min(len(history), round(len(new) * ratio / (1 - ratio)))
     return list(new) + [history[i] for i in rng.choice(len(history), k, replace=False)]
-
-
-def reward_model_accuracy(
-    reward_model, samples: list[dict], pad_token_id: int, batch_size: int, device
-) -> tuple[float, float]:
-    """(accuracy, MSE) of the reward model on labelled samples; accurate = |score - label| < 0.5."""
-    with torch.no_grad():
-        scores = torch.cat(
-            [
-                common.reward_model_scores(
-                    reward_model,
-                    *common.pad_left(
-                        [s["ids"] for s in samples[i : i + batch_size]], pad_token_id, device
-                    ),
-                ).cpu()
-                for i in range(0, len(samples), batch_size)
-            ]
-        )
-    labels = torch.tensor([s["label"] for s in samples])
-    return ((scores - labels).abs() < 0.5).float().mean().item(), F.mse_loss(scores, labels).item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1107,122 +824,79 @@ def reward_model_accuracy(
 # (variant_options).
 # ----------------------------------------------------------------------------------------------
 def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep only the groups whose rewards differ,
-    and sample new questions (rounds 1, 2, ...) until --prompts-per-step such groups are found or
-    --max-sampling-rounds is reached; then top up the batch with dropped groups (equal rewards, so
-    advantage 0 unless --overlong-buffer's length penalty, added afterwards, separates them; they
-    still carry the KL term), so every batch has N sequences. Under torchrun each process fills its
-    own B groups (the chosen groups depend on the world size).
-
-    Args:
-        batch: round 0's samples (steps 1-2).
-    Returns:
-        the batch, with the logged ``sampling/*`` scalars in ``batch.scalars``.
-    """
-    G = args.group_size
-    B = len(batch.rewards) // G
-
-    def varied(r: int) -> list[tuple[int, int]]:
+    """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep the groups whose rewards differ, and
+    sample new questions (rounds 1, 2, ...) until B such groups are found or --max-sampling-rounds
+    is reached; dropped groups top the batch up (advantage 0 unless --overlong-buffer's penalty,
+    added afterwards, separates them; they still carry the KL term). Under torchrun each process
+    fills its own B groups. The ``sampling/*`` scalars go to ``batch.scalars``."""
+    G, B = args.group_size, len(batch.rewards) // args.group_size
+    rounds, chosen = [], []
+    for r in range(args.max_sampling_rounds):
+        rounds.append(batch if r == 0 else sample_and_score(sampler, args, device, step, round_=r))
         grouped = rounds[r].rewards.view(-1, G)
-        return [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
-
-    rounds = [batch]
-    chosen = varied(0)
-    for r in range(1, args.max_sampling_rounds):
+        chosen += [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
         if len(chosen) >= B:
             break
-        rounds.append(sample_and_score(sampler, args, device, step, round_=r))
-        chosen += varied(r)
     dropped = [(r, g) for r in range(len(rounds)) for g in range(B) if (r, g) not in chosen]
     merged = merge_groups(rounds, (chosen + dropped)[:B], G, sampler.tokenizer.pad_token_id)
-    merged.scalars = {
-        "sampling/rounds": common.all_reduce(torch.tensor(len(rounds)), "max").item(),
-        "sampling/frac_groups_varied": common.all_reduce(torch.tensor(min(len(chosen), B))).item()
-        / args.prompts_per_step,
-    }
+    merged.scalars["sampling/rounds"] = common.all_reduce(torch.tensor(len(rounds)), "max").item()
+    varied = common.all_reduce(torch.tensor(min(len(chosen), B))).item()
+    merged.scalars["sampling/frac_groups_varied"] = varied / args.prompts_per_step
     return merged
 
 
-def merge_groups(
-    batches: list[Batch], chosen: list[tuple[int, int]], group_size: int, pad_token_id: int
-) -> Batch:
-    """One batch made of the groups ``chosen`` = [(batch index, group index), ...], re-padded.
-
-    Prompts stay left-padded and completions right-padded, to the widest of the chosen rows.
-    """
-    rows = [(batches[b], slice(g * group_size, (g + 1) * group_size)) for b, g in chosen]
+def merge_groups(batches: list[Batch], chosen: list, group_size: int, pad_token_id: int) -> Batch:
+    """One batch of the groups ``chosen`` = [(batch index, group index), ...], prompts left-padded
+    and completions right-padded again, to the widest of the chosen rows."""
+    G = group_size
+    rows = [(batches[b], slice(g * G, (g + 1) * G)) for b, g in chosen]
     P = max(b.prompt_ids.shape[1] for b, _ in rows)
     T = max(b.completion_ids.shape[1] for b, _ in rows)
 
-    def cat(key: str, width: int | None = None, value: float = 0, left: bool = False):
+    def cat(key: str, width: int = 0, value: float = 0, left: bool = False):
         if getattr(rows[0][0], key) is None:
             return None
         parts = [getattr(b, key)[r] for b, r in rows]
-        if width is None:
-            return torch.cat(parts)
-        return torch.cat(
-            [
-                F.pad(x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
-                for x in parts
-            ]
-        )
+        if width:
+            sides = [(width - x.shape[1], 0) if left else (0, width - x.shape[1]) for x in parts]
+            parts = [F.pad(x, side, value=value) for x, side in zip(parts, sides, strict=True)]
+        return torch.cat(parts)
 
-    merged = Batch(
-        cat("prompt_ids", P, pad_token_id, True),
-        cat("prompt_mask", P, 0, True),
-        cat("completion_ids", T, pad_token_id),
-        cat("completion_mask", T),
-        [x for b, r in rows for x in b.examples[r]],
-        [x for b, r in rows for x in b.completions[r]],
-        cat("sampler_logp", T, 0.0),
-    )
+    prompts = cat("prompt_ids", P, pad_token_id, True), cat("prompt_mask", P, 0, True)
+    completions = cat("completion_ids", T, pad_token_id), cat("completion_mask", T)
+    examples = [x for b, r in rows for x in b.examples[r]]
+    texts = [x for b, r in rows for x in b.completions[r]]
+    merged = Batch(*prompts, *completions, examples, texts, cat("sampler_logp", T))
     merged.rewards, merged.verifiable, merged.correct, merged.truncated = (
         cat(key) for key in ("rewards", "verifiable", "correct", "truncated")
     )
-    merged.reward_fns = {
-        name: torch.cat([b.reward_fns[name][r] for b, r in rows]) for name in rows[0][0].reward_fns
-    }
+    for name in rows[0][0].reward_fns:
+        merged.reward_fns[name] = torch.cat([b.reward_fns[name][r] for b, r in rows])
     return merged
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
-    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4 "Overlong Reward Shaping"), added to
-    the reward.
-
-    ``0`` for ``|o| <= L_max - L_cache``; ``((L_max - L_cache) - |o|) / L_cache`` inside the last
-    ``L_cache`` tokens, reaching ``-1`` at ``L_max`` (a completion cannot be longer here).
-
-    Args:
-        lengths: (N,) completion lengths |o| in tokens (the EOS included).
-        max_length: L_max (``--max-new-tokens``); buffer: L_cache (``--overlong-buffer``, 0 = off).
-    Returns:
-        (N,) penalties in [-1, 0].
-    """
+    """DAPO soft overlong punishment (arXiv 2503.14476, §3.4), added to the reward: (N,) in [-1, 0]
+    from the (N,) completion lengths |o| (EOS included), 0 for ``|o| <= L_max - L_cache``, then
+    ``((L_max - L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``,
+    --overlong-buffer, 0 = off)."""
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
     return (((max_length - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 
 def completions_in_the_loss(batch: Batch, mask_truncated: bool) -> torch.Tensor:
-    """(N, T) mask of the tokens that take part in the loss: each completion up to its EOS; with
-    --mask-truncated-completions (DAPO §3.4, overlong filtering) none of a completion that never
-    emitted EOS."""
-    return (
-        batch.completion_mask * (~batch.truncated).float().unsqueeze(1)
-        if mask_truncated
-        else batch.completion_mask
-    )
+    """(N, T) mask of the loss's tokens: each completion up to its EOS; with
+    --mask-truncated-completions (DAPO §3.4 overlong filtering) none of one without EOS."""
+    if not mask_truncated:
+        return batch.completion_mask
+    return batch.completion_mask * (~batch.truncated).float().unsqueeze(1)
 
 
 def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
-    """The later variants' options of :func:`grpo_loss` for this batch: Dr. GRPO and DAPO's loss
-    aggregation (--loss-type), DAPO's clip-higher (§3.1, --clip-range-high), GSPO's sequence-level
-    ratio (--importance-sampling-level) and truncated importance sampling (--tis-cap). All off is
-    the paper's eq. 3.
-
-    ``num_tokens`` (DAPO's token-level mean, §3.3) counts the tokens of the global batch (torchrun),
-    so that summing the processes' gradients gives the 1-process gradient.
-    """
+    """The later variants' options of :func:`grpo_loss` (all off: the paper's eq. 3): Dr. GRPO's and
+    DAPO's aggregation (--loss-type, with ``num_tokens`` counted over the global batch so that the
+    processes' gradients sum to the 1-process gradient), clip-higher, GSPO's ratio and TIS."""
     return {
         "loss_type": args.loss_type,
         "clip_range_high": args.clip_range_high,
@@ -1237,45 +911,26 @@ def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
 # Scale-out and speed: micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
 def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
-    """Micro-batches of ``size`` sequences for steps 4-5: groups of similar completion length
-    together (whole groups when ``size`` is a multiple of G; a group's prompt goes through the model
-    once per micro-batch that holds its completions, see :func:`token_log_probs`), each trimmed to
-    its own longest prompt and completion. The loss is a sum over sequences, so the order only saves
-    compute (except for --loss-type bnpo, whose token mean is taken per micro-batch).
-
-    Returns:
-        [(idx, t, :class:`MicroBatch`)]: the micro-batch's rows of the batch, its length t, and
-        :func:`token_log_probs`'s inputs.
-    """
+    """Micro-batches of ``size`` sequences for steps 4-5: [(rows of the batch, length t,
+    :class:`MicroBatch`)]. Groups of similar completion length go together (whole groups when
+    ``size`` is a multiple of G: a prompt goes through the model once per micro-batch that holds
+    its completions), each trimmed to its longest prompt and completion. The loss is a sum over
+    sequences, so the order only saves compute (except --loss-type bnpo's per-micro-batch mean)."""
     mask, completion_ids = batch.completion_mask, batch.completion_ids
     lengths = mask.sum(1)
-    N = len(lengths)
     lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
-    order = torch.tensor(
-        sorted(range(N), key=lambda i: (-group_lens[i // G], i // G, -lens[i])), device=device
-    )
+    order = sorted(range(len(lens)), key=lambda i: (-group_lens[i // G], i // G, -lens[i]))
+    order = torch.tensor(order, device=device)
     micro_batches = []
-    for i in range(0, N, size):
+    for i in range(0, len(lens), size):
         idx = order[i : i + size]
-        groups, prompt_index = torch.unique(
-            idx // G, return_inverse=True
-        )  # the groups' prompts, once each
+        groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # each prompt once
         prompt_ids, prompt_mask = batch.prompt_ids[groups * G], batch.prompt_mask[groups * G]
         first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
         t = int(lengths[idx].max())
-        micro_batches.append(
-            (
-                idx,
-                t,
-                MicroBatch(
-                    prompt_ids[:, first:],
-                    prompt_mask[:, first:],
-                    prompt_index,
-                    completion_ids[idx, :t],
-                    mask[idx, :t].long(),
-                ),
-            )
-        )
+        prompts = prompt_ids[:, first:], prompt_mask[:, first:], prompt_index
+        inputs = MicroBatch(*prompts, completion_ids[idx, :t], mask[idx, :t].long())
+        micro_batches.append((idx, t, inputs))
     return micro_batches
 
 
@@ -1301,83 +956,69 @@ FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA
     "lora_alpha": "the adapters were trained at this scale",
     "lora_target_modules": "the checkpoint holds adapters of these modules",
 }
-HINT = (
-    "--learning-rate, --max-grad-norm, --beta and the reward"  # to check after a non-finite update
-)
+HINT = "--learning-rate, --max-grad-norm, --beta and the reward"  # after a non-finite update
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: each flag's own
-    constraint (beside it in ``Args``) and the rules both LM scripts share
-    (:func:`common.check_lm_flags`), then GRPO's rules.
-
-    Raises:
-        UsageError: naming the flag and what it expects.
-    """
+    """One-line errors (UsageError naming the flag) for flags that cannot work, before anything
+    loads: each flag's own constraint (beside it in Args) and both LM scripts' rules
+    (common.check_lm_flags, tasks.check_task_flags), then GRPO's."""
     common.check_lm_flags(args)
-    tasks.check_task_flags(
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-        args.prompt_field,
-        args.answer_field,
-        args.system_prompt,
-        args.response_prefix,
-    )
-    world = common.world_size()
-    check(
-        args.total_steps % args.iterations == 0,
-        f"--iterations {args.iterations} must divide --total-steps {args.total_steps}",
-    )
+    prompt_flags = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
+    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, *prompt_flags)
+    steps, iterations, world = args.total_steps, args.iterations, common.world_size()
+    check(steps % iterations == 0, f"--iterations {iterations} must divide --total-steps {steps}")
     check(
         args.overlong_buffer < args.max_new_tokens,
         "--overlong-buffer must be in [0, --max-new-tokens)",
     )
     check(
-        not args.train_reward_model or args.reward_model_path is not None or args.iterations >= 2,
+        not args.train_reward_model or args.reward_model_path is not None or iterations >= 2,
         "--train-reward-model without --reward-model-path needs --iterations >= 2: its reward "
-        "model starts with an "
-        "untrained head, scores from iteration 2 on, and is first trained at the end of iteration "
-        "1",
+        "model starts with an untrained head, scores from iteration 2 on, and is first trained at "
+        "the end of iteration 1",
     )
     check(
         args.prompts_per_step % world == 0,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-        f"world size {world} (the number of torchrun processes): every process samples whole "
-        "groups",
+        f"--prompts-per-step {args.prompts_per_step} must be divisible by the world size {world} "
+        "(the number of torchrun processes): every process samples whole groups",
     )
     check(
-        not args.lora_rank or args.iterations == 1,
-        "--lora-rank with --iterations > 1: the reference is the policy "
-        "with its adapter disabled, which cannot be reset to the policy at each iteration; use "
-        "full fine-tuning",
+        not args.lora_rank or iterations == 1,
+        "--lora-rank with --iterations > 1: the reference is the policy with its adapter disabled, "
+        "which cannot be reset to the policy at each iteration; use full fine-tuning",
     )
 
 
 def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads by
-    :func:`common.resume_checkpoint`: this script's, with the flags that cannot change unchanged
-    (``FROZEN``), steps left to train, no NaN or inf and the same iteration length; None without
-    --resume.
+    """The --resume checkpoint (memory-mapped; None without --resume), checked before anything loads
+    by common.resume_checkpoint (this script's, ``FROZEN`` flags unchanged, steps left, no NaN or
+    inf), with the same Algorithm 1 iterations: --total-steps / --iterations steps each.
 
     Raises:
         UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that
             cannot change, a run that already reached --total-steps, or another iteration length.
     """
     checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)
-    if checkpoint is not None:
-        check_iteration_length(checkpoint, args)
+    if checkpoint is None:
+        return None
+    saved, steps, iterations = checkpoint["args"], args.total_steps, args.iterations
+    length = checkpoint.get("steps_per_iteration", saved["total_steps"] // saved["iterations"])
+    n = max(steps // length, 1)  # iterations of that length, for the hint
+    check(
+        (saved["iterations"] == 1 and iterations == 1)
+        or (steps // iterations == length and steps % iterations == 0),
+        f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} "
+        f"({saved['total_steps']} steps / {saved['iterations']} iterations); resume with the same "
+        f"iteration length, e.g. --total-steps {n * length} --iterations {n}",
+    )
     return checkpoint
 
 
 def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, rm_training) -> int:
-    """Load a checkpoint's weights and optimizer states; returns the step it was written at (0
-    without one). The flags given now set the optimizers' hyperparameters (--learning-rate,
-    --weight-decay, --rm-learning-rate take effect on resume).
-
-    Raises:
-        UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
-    """
+    """Load a checkpoint's weights and optimizer states (the flags given now set the optimizers'
+    hyperparameters); returns the checkpoint's step (0 without one).
+    Raises UsageError: the checkpoint's tensors do not fit the models (another model's)."""
     if checkpoint is None:
         return 0
     try:
@@ -1397,82 +1038,29 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
     return checkpoint["step"]
 
 
-def check_iteration_length(checkpoint: dict, args: Args) -> None:
-    """A resumed run keeps its Algorithm 1 iterations: --total-steps / --iterations steps each.
-
-    Raises:
-        UsageError: the new --total-steps / --iterations would move the iteration boundaries.
-    """
-    saved = checkpoint["args"]
-    length = checkpoint.get("steps_per_iteration", saved["total_steps"] // saved["iterations"])
-    if saved["iterations"] > 1 or args.iterations > 1:
-        check(
-            args.total_steps // args.iterations == length
-            and args.total_steps % args.iterations == 0,
-            f"--total-steps: this run has iterations of {length} step{'s' * (length != 1)} "
-            f"({saved['total_steps']} "
-            f"steps / {saved['iterations']} iterations); resume with the same iteration length, "
-            "e.g. --total-steps "
-            f"{max(args.total_steps // length, 1) * length} --iterations "
-            f"{max(args.total_steps // length, 1)}",
-        )
-
-
-def new_totals() -> dict:
-    """Sums and extremes of a step's per-micro-batch loss statistics, filled by
-    :func:`accumulate`."""
-    return {
-        "loss": 0.0,
-        "entropy": 0.0,
-        "kl": 0.0,
-        "clipped": 0.0,
-        "tokens": 0.0,
-        "ratio_min": math.inf,
-        "ratio_max": -math.inf,
-        "sampler_gap_sum": 0.0,
-        "sampler_gap_max": 0.0,
-        "sampler_tokens": 0.0,
-    }
-
-
-def accumulate(totals: dict, loss: torch.Tensor, stats: dict, entropy: torch.Tensor) -> None:
-    """Add one micro-batch's loss, :func:`grpo_loss` statistics and (b, T) masked token entropies to
-    ``totals``."""
-    totals["loss"] += loss.item()
-    totals["entropy"] += entropy.sum().item()
-    for key in ("kl", "clipped", "tokens"):
-        totals[key] += stats[key].item()
-    totals["ratio_min"] = min(totals["ratio_min"], stats["ratio_min"].item())
-    totals["ratio_max"] = max(totals["ratio_max"], stats["ratio_max"].item())
-    if "sampler_gap_sum" in stats:
-        totals["sampler_gap_sum"] += stats["sampler_gap_sum"].item()
-        totals["sampler_gap_max"] = max(totals["sampler_gap_max"], stats["sampler_gap_max"].item())
-        totals["sampler_tokens"] += stats["tokens"].item()
-
-
 def step_metrics(
-    args: Args,
-    batch: Batch,
-    rewards: torch.Tensor,
-    totals: dict,
-    grad_norm: torch.Tensor,
-    optimizer,
-    t0: float,
-    gen_time: float,
-) -> dict:
-    """A step's logged scalars, over the global batch (sums and per-sequence values gathered from
-    every process), and what the extensions put in ``batch.scalars``: ``loss/policy`` is the
-    minimised -J of eq. 3, KL term included; ``time/generation_s`` covers steps 1-2,
-    ``time/training_s`` the rest of the step up to here."""
-    G = args.group_size
-    sums = common.all_reduce(
-        torch.tensor([totals["loss"], totals["kl"], totals["clipped"], totals["tokens"]])
+    args: Args, batch: Batch, rewards, totals: list, grad_norm, optimizer, t0, gen_time
+):
+    """A step's logged scalars over the global batch (sums and per-sequence values gathered from
+    every process), from ``totals``, the :func:`grpo_loss` statistics of every micro-batch with its
+    ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy`` is
+    the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
+
+    def total(key: str) -> float:  # summed over this process's micro-batches and mu updates
+        return sum(stats[key].item() for stats in totals)
+
+    G, sums = (
+        args.group_size,
+        torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")]),
     )
-    loss_sum, kl_sum, clipped_sum, tokens_sum = sums.tolist()
+    loss_sum, kl_sum, clipped_sum, tokens_sum = common.all_reduce(sums).tolist()
     lengths, correct, truncated = (
         common.all_gather(x.float().cpu())
         for x in (batch.completion_mask.sum(1), batch.correct, batch.truncated)
     )
+    entropy = common.all_reduce(torch.tensor(total("entropy"))).item()
+    ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in totals))
+    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in totals))
     scalars = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
@@ -1482,10 +1070,9 @@ def step_metrics(
         "loss/kl": kl_sum / max(tokens_sum, 1),
         "loss/clip_fraction": clipped_sum / max(tokens_sum, 1),
         "loss/tokens": tokens_sum / args.mu,
-        "loss/entropy": common.all_reduce(torch.tensor(totals["entropy"])).item()
-        / max(tokens_sum, 1),
-        "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
-        "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
+        "loss/entropy": entropy / max(tokens_sum, 1),
+        "loss/ratio_min": common.all_reduce(ratio_min, "min").item(),
+        "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "completion/length_mean": lengths.mean().item(),
         "completion/frac_truncated": truncated.mean().item(),
         "optim/grad_norm": grad_norm.item(),
@@ -1498,52 +1085,34 @@ def step_metrics(
     scalars.update(batch.scalars)
     scalars.update(common.reward_fn_means(batch.reward_fns))  # --reward-fn
     if batch.sampler_logp is not None:  # |log pi_old - log pi_sampler| over the loss's tokens
-        gap = torch.tensor([totals["sampler_gap_sum"], totals["sampler_tokens"]])
+        gap = torch.tensor([total("sampler_gap_sum"), total("tokens")])
         gap_sum, gap_tokens = common.all_reduce(gap).tolist()
         scalars["sampling/logp_diff_mean"] = gap_sum / max(gap_tokens, 1)
-        gap_max = common.all_reduce(torch.tensor(totals["sampler_gap_max"]), "max")
-        scalars["sampling/logp_diff_max"] = gap_max.item()
+        gap_max = torch.tensor(max(0.0, *(stats["sampler_gap_max"].item() for stats in totals)))
+        scalars["sampling/logp_diff_max"] = common.all_reduce(gap_max, "max").item()
     if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
         scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()
     return scalars
 
 
-def save_checkpoint(
-    log: common.RunLog, step: int, args: Args, policy, optimizer, reference, rm_training
-) -> None:
-    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
-    exactly (the reference when --iterations > 1 resets it, else it is --model-name-or-path's,
-    loaded again on resume; the reward model with its samples included; the iteration index ``step
-    // steps_per_iteration`` is stored for readers)."""
-    if not (
-        log.is_main
-        and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)
-    ):
+def save_checkpoint(log, step: int, args: Args, policy, optimizer, reference, rm_training) -> None:
+    """Every --save-every steps and at the end (rank 0), atomically, what an exact resume needs: the
+    reference when --iterations > 1 resets it (else --model-name-or-path's, loaded again), the
+    reward model with its samples, and the iteration index (for readers)."""
+    due = (args.save_every and step % args.save_every == 0) or step == args.total_steps
+    if not (log.is_main and due):
         return
-    steps_per_iteration = args.total_steps // args.iterations
-    rm_state = (
-        rm_training.state()
-        if rm_training is not None
-        else {"reward_model": None, "rm_optimizer": None, "rm_new": [], "rm_replay": []}
-    )
-    common.atomic_save(
-        {
-            "script": SCRIPT,
-            "policy": common.trained_weights(policy),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "args": dataclasses.asdict(args),
-            "rng": common.get_rng_state(),
-            "digests": common.input_digests(args.dataset, args.reward_fn),
-            "reference": reference.state_dict()
-            if isinstance(reference, torch.nn.Module) and args.iterations > 1
-            else None,
-            "iteration": step // steps_per_iteration,
-            "steps_per_iteration": steps_per_iteration,
-            **rm_state,
-        },
-        log.checkpoint,
-    )
+    length = args.total_steps // args.iterations
+    rm_state = dict(reward_model=None, rm_optimizer=None, rm_new=[], rm_replay=[])
+    if rm_training is not None:
+        rm_state = rm_training.state()
+    state = dict(script=SCRIPT, policy=common.trained_weights(policy), step=step)
+    state.update(optimizer=optimizer.state_dict(), args=dataclasses.asdict(args))
+    state.update(rng=common.get_rng_state(), iteration=step // length, steps_per_iteration=length)
+    state["digests"] = common.input_digests(args.dataset, args.reward_fn)
+    keep_reference = isinstance(reference, torch.nn.Module) and args.iterations > 1
+    state["reference"] = reference.state_dict() if keep_reference else None
+    common.atomic_save(state | rm_state, log.checkpoint)
 
 
 def cli(argv: list[str] | None = None) -> None:
