@@ -792,7 +792,8 @@ def gguf_dir() -> Path | None:
 
 
 def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> None:
-    """A local-looking model path must exist (checked before anything loads)."""
+    """A local-looking model path must exist (checked before anything loads; the default model's
+    wheel is asked for when it loads, so that a bad flag or file is named first)."""
     local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     check(
         os.path.isdir(name_or_path) or name_or_path == DEFAULT_MODEL or not local,
@@ -860,8 +861,9 @@ def load_model(
 ):
     """A float32 model, dropout off everywhere (N+ details). A causal LM gets a neutral generation
     config (its token ids only: a checkpoint's ``repetition_penalty`` ... must not reshape the
-    sampler's ``softmax(logits / T)``). ``kind="reward"``: a sequence classifier with one label (a
-    reward or value head), which with ``trained_head`` must be in the checkpoint."""
+    sampler's ``softmax(logits / T)``; :func:`save_pretrained` writes the checkpoint's own back).
+    ``kind="reward"``: a sequence classifier with one label (a reward or value head), which with
+    ``trained_head`` must be in the checkpoint."""
     import transformers
 
     auto, labels = transformers.AutoModelForCausalLM, {}
@@ -1259,9 +1261,8 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if not _distributed():
         return t
     agree()
-    out = t.detach().to(
-        "cuda" if torch.distributed.get_backend() == "nccl" else t.device, copy=True
-    )
+    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+    out = t.detach().to("cuda" if nccl else t.device, copy=True)
     torch.distributed.all_reduce(out, getattr(torch.distributed.ReduceOp, op.upper()))
     return out.to(t.device)
 
