@@ -109,15 +109,13 @@ from common import UsageError, check
 @dataclass
 @pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
-    # --- the N+ details' RLHF-PPO: models, task and score, sampling, per-token rewards, GAE, PPO
-    # updates ---
+    # --- the N+ details' RLHF-PPO: models, task and score, sampling, rewards, GAE, PPO updates ---
 
-    # policy to train: a local directory or Hub id of a causal LM (default: offline
-    # SmolLM2-135M-Instruct)
+    # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
-    # frozen sequence-classification reward model with the policy's tokenizer, read as its own
-    # forward pass pools (default: the task's verifiable reward); the value model starts from it
-    # when given, else from the policy with a zero head
+    # frozen sequence-classification reward model with the policy's tokenizer, read where its own
+    # forward pass pools (default: the task's verifiable reward); the value model starts from it,
+    # else from the policy with a zero head
     reward_model_path: str | None = None
     # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
     # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
@@ -128,34 +126,29 @@ class Args:
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score (default:
-    # the task's)
+    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score
     reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
         default_factory=list
     )
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     # reward for the expected format (0 = off): a completion that ends with a number, Countdown's
-    # <answer> block, or with --answer-format think the whole <think> ... </think> <answer> ...
-    # </answer> shape
+    # <answer> block, or with --answer-format think the <think> ... </think> <answer> ... </answer>
+    # shape
     format_reward: float = 0.0
     # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
     # read the answer block
     answer_format: Literal["plain", "think"] = "plain"
-    # system message before every question (default: none; with --answer-format think, instructions
-    # for that format)
+    # system message before every question (default: none, or --answer-format think's instructions)
     system_prompt: str | None = None
     # the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
     # see it too
     response_prefix: str = ""
-    # subtracted from the score of a completion that never emits EOS, as TRL's
-    # PPOConfig.missing_eos_penalty (>= 0; 0 = off); the N+ details' code replaces that score with
-    # -1 instead (penalty_reward_value)
+    # subtracted from the score of a completion without EOS, as TRL's missing_eos_penalty (0 = off)
     missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
-    # number of PPO iterations (sample a batch, then --num-ppo-epochs x --num-minibatches updates)
+    # PPO iterations: sample a batch, then --num-ppo-epochs x --num-minibatches updates
     total_steps: Annotated[int, Ge(1)] = 30
-    # questions sampled per step, one completion each (32 = as many completions as grpo_lm's 4 x
-    # G=8)
+    # questions sampled per step, one completion each (as many completions as grpo_lm's 4 x G=8)
     prompts_per_step: Annotated[int, Ge(1)] = 32
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set
@@ -164,8 +157,8 @@ class Args:
     temperature: Annotated[float, Ge(1e-3)] = 0.7
     # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
-    # KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with
-    # --adaptive-kl-target its initial value (a resumed run continues the controller's saved beta)
+    # KL coefficient of the per-token reward -beta * KL_t (0 = no reference model); with
+    # --adaptive-kl-target its initial value (a resumed run continues the controller's beta)
     beta: Annotated[float, Ge(0)] = 0.05
     # scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)
     whiten_rewards: bool = False
@@ -181,22 +174,21 @@ class Args:
     # optimizer steps per pass; --prompts-per-step must be divisible by it
     num_minibatches: Annotated[int, Ge(1)] = 1
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
-    # eps_v: the value prediction may move at most this far from V_old before its loss is clipped
+    # eps_v: how far the value may move from V_old before its loss is clipped
     clip_range_value: Annotated[float, Gt(0)] = 0.2
     vf_coef: Annotated[float, Gt(0)] = 0.1  # weight of the value loss
-    # gradient-norm clipping, applied to the policy and to the value model separately
+    # gradient-norm clipping, of the policy and of the value model separately
     max_grad_norm: Annotated[float, Gt(0)] = 1.0
+
     # --- extension (off by default): the adaptive KL controller of Ziegler et al. 2019 ---
 
-    # adapt beta towards this KL per sequence (summed over tokens, nats; Ziegler et al. 2019); None
-    # = fixed beta. Not PPO's early-stopping --target-kl of ppo_continuous.py and CleanRL: no update
-    # stops early here
+    # adapt beta towards this KL per sequence (nats, summed over tokens); None = fixed beta. Not the
+    # early-stopping --target-kl of ppo_continuous.py and CleanRL: no update stops early here
     adaptive_kl_target: Annotated[float, Gt(0)] | None = None
-    # horizon of the adaptive KL controller in sequences: beta *= 1 + clip(KL/target - 1, +-0.2) * N
-    # / horizon
+    # in sequences: beta *= 1 + clip(KL / target - 1, +-0.2) * N / horizon
     adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
-    # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters of the policy instead of all
-    # its weights ---
+
+    # --- LoRA (Hu et al. 2021, through peft): low-rank adapters of the policy ---
 
     # rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
     # with its adapter disabled; the value model is trained in full
@@ -206,59 +198,52 @@ class Args:
     # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
     # MLP projections)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
+
     # --- run: experiment, logging, evaluation, checkpoints ---
 
     exp_name: str = "ppo_lm"  # name of this experiment (part of the run name)
-    # seed of the experiment: prompts, sampling, minibatch order and initialisation all flow from it
+    # seed of the prompts, sampling, minibatch order and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
-    # run directory name (default: {task}__{exp_name}__{seed}__{unix time})
-    run_name: str | None = None
-    # greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)
+    run_name: str | None = None  # run directory name (default: {task}__{exp_name}__{seed}__{time})
+    # greedy held-out accuracy every N steps, at the start and at the end (0 = start and end only)
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    # questions per greedy generation batch during evaluation
-    eval_batch_size: Annotated[int, Ge(1)] = 64
-    # print and log sample completions every N steps (0 = never)
-    sample_every: Annotated[int, Ge(0)] = 5
-    # write a checkpoint every N steps and at the end (0 = only at the end)
-    save_every: Annotated[int, Ge(0)] = 10
-    # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
-    # them (same flags, same results); the model, the reward model, --eval-size and the run
-    # directory cannot change
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per generate call of the evaluation
+    sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
+    save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
+    # checkpoint.pt to continue from, with its run's flags as defaults (flags given again override
+    # them); the model, the reward model, --eval-size and the run directory cannot change
     resume: str | None = None
     torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
-    # no training: the greedy held-out accuracy of the --resume checkpoint, or of
-    # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run
-    # directory
+    # no training: the greedy held-out accuracy of the --resume checkpoint or of
+    # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
-    # also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on
-    # disk)
+    # also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline: on disk)
     track: bool = False
     wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
-    wandb_entity: str | None = None  # the wandb entity (team or user) of --track; default: yours
-    # --- scale-out and speed: devices, several processes (torchrun), micro-batches, the bf16
-    # sampler ---
+    wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
+
+    # --- scale-out and speed: devices, torchrun, micro-batches, the bf16 sampler ---
 
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over a minibatch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    # prompts per generate call (0 = all of a process's prompts); samples depend only on --seed, the
-    # step and the calls' prompts
+    # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
+    # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
     # float32); no-op on CPU
     bf16: bool = True
-    # recompute the policy's and value model's activations in the backward pass: less memory, ~30%
-    # slower
+    # recompute activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
     fast_generation: bool = False
-    # truncated importance sampling: with a sampler other than the trained module
-    # (--fast-generation, bf16 on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C)
-    # (Yao et al. 2025; TRL token_truncate); 0 = off
+    # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
+    # the trained module (--fast-generation, bf16 on CUDA), weight each token's surrogate by
+    # min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
 
