@@ -1,11 +1,10 @@
 """Proximal Policy Optimization (PPO) for language models (RLHF), in one file.
 
-Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031),
-the checklist this file follows (its departures are listed below), and DeepSeekMath (Shao et al.
-2024, arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that GRPO (grpo_lm.py) simplifies.
-Four models: the policy pi_theta (trained), a frozen reference pi_ref (the initial policy), a reward
-(a frozen reward model that scores as its own forward pass pools, or the task's verifiable reward)
-and a value model V_phi (trained).
+Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031)
+and DeepSeekMath (Shao et al. 2024, arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that
+GRPO (grpo_lm.py) simplifies. Four models: the policy pi_theta (trained), a frozen reference pi_ref
+(the initial policy), a reward (a frozen reward model, or the task's verifiable reward) and a value
+model V_phi (trained).
 
   r_t      = score * [t = last token] - beta * KL_t,   KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)
                                                                                     (eq. 2; k1)
@@ -15,71 +14,19 @@ and a value model V_phi (trained).
   J(theta) = E[ 1/|o| sum_t min(ratio_t * A_t, clip(ratio_t, 1-eps, 1+eps) * A_t) ]
                                                                            (eq. 1; PPO eq. 7)
   L(phi)   = E[ 1/|o| sum_t 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old,t +- eps_v) - R_t)^2) ]
-  loss     = -J(theta) + vf_coef * L(phi),  run for --num-ppo-epochs x --num-minibatches updates
-             per batch
+  loss     = -J(theta) + vf_coef * L(phi),  --num-ppo-epochs x --num-minibatches updates per batch
 
-Where each step lives (read from the top down to the end of main(); the rest is fenced below it):
-  ALGO LOGIC  completion_mask (the EOS trick), token_log_probs, token_values, per_token_rewards (eq.
-              2), masked_whiten, gae (GAE), ppo_loss (eq. 1 and the clipped value loss),
-              adaptive_kl_coef, float32_lm_head (numerics)
-  main()      input: the policy, the reference (its frozen copy; none with beta = 0), the reward (a
-              reward model or the task's verifiable reward) and the value model; then per step: 1.
-              rollout: one completion per prompt from pi_old, 2. its score, 3. pi_old and pi_ref log
-              probs and V_old, 4. per-token rewards r_t, 5. GAE advantages A_t (whitened) and value
-              targets R_t, 6. --num-ppo-epochs x --num-minibatches updates of the loss, 7. the next
-              step's beta
-  below it    rollout() and score() (steps 1-2) and load_value_model(); then, fenced, each extension
-              (off by default; one line in the loop, tagged with its source): the adaptive KL
-              controller (Ziegler et al. 2019, --adaptive-kl-target); scale-out and speed: the bf16
-              sampler (--fast-generation, --tis-cap), micro-batches, gradient checkpointing,
-              torchrun; last, the run plumbing (validation, resume, metrics, logging, checkpoints)
+Read from the top down to the end of main(): the flags, the math (ALGO LOGIC, torch only), then
+main(), steps 1-7 of a PPO iteration. Below main(): rollout() and score() (steps 1-2), then each
+extension, off by default and one tagged line in the loop (the adaptive KL controller of Ziegler et
+al. 2019; the bf16 sampler and TIS, micro-batches, torchrun), last the run plumbing. The policy loss
+differs from grpo_lm.py's only in where the advantage comes from (GAE on a learned value) and where
+the KL goes (into the reward, per token). Why KL_t is k1, and where this file departs from the N+
+details' code and TRL's PPOTrainer (loss averaged per sequence, the score on the EOS token, no
+learning-rate schedule, gradients clipped per model, ...): docs/ppo_lm.md.
 
-Apart from the value model's clipped loss, the policy loss differs from grpo_lm.py's in two places
-only: where the advantage comes from (GAE on a learned value instead of the group-normalised reward)
-and where the KL goes (into the reward, per token, instead of into the loss).
-
-KL_t is the k1 estimator, and only k1 is offered: as a per-token reward its expected score-function
-gradient is that of KL(pi || pi_ref), so PPO maximises E[score] - beta * KL(pi || pi_ref), whose
-optimum is pi* proportional to pi_ref * exp(score / beta). grpo_lm.py's k3 (DeepSeekMath eq. 4) as a
-reward would follow grad KL(pi || pi_ref) - grad KL(pi_ref || pi) instead: on a bandit it drives pi
-to the best arm faster than no penalty at all (tests/test_ppo_lm.py).
-
-Where this file departs from the N+ details' checklist and from the code that follows it (the N+
-code, github.com/vwxyzjn/summarize_from_feedback_details ppo.py, and TRL's PPOTrainer,
-trl/experimental/ppo):
-- Loss averaging: each sequence's policy and value losses are averaged over its own |o| tokens, then
-  over sequences (DeepSeekMath eq. 1, as grpo_lm.py does). The N+ code and TRL take one mean over
-  all valid tokens of a micro-batch, so there a long completion weighs more than a short one.
-- Score position: the score is added to the reward of the EOS token (the last valid token; the last
-  sampled token when there is no EOS). The N+ code and TRL add it one position later, at
-  sequence_length + 1, the first padding slot after the EOS, whose policy loss is masked but whose
-  value is kept and trained (padding_mask_p1); with GAE their EOS token's advantage then holds gamma
-  * lam * score + gamma * (1 - lam) * V(that slot) where ours holds the score. A completion that
-  fills the whole response length gets the score on its last token in both.
-- No learning-rate schedule: the rate stays constant. The N+ code anneals it linearly to 0 over the
-  run (lrnow = frac * lr); TRL steps the transformers Trainer's scheduler once per batch (linear by
-  default).
-- Gradient clipping per model: the policy's and the value model's gradient norms are each clipped at
-  --max-grad-norm. The N+ code and TRL train policy and value as one module (PolicyAndValueWrapper)
-  under one optimizer, and their PPO loops clip no gradient.
-- AdamW weight decay defaults to 0 (--weight-decay), as in TRL; the N+ code's AdamW keeps torch's
-  0.01.
-- Padding token: the tokenizer's own, or its EOS when it has none; pad == EOS, as for SmolLM2, is
-  allowed. The N+ code adds a distinct [PAD] token. Here the completion mask cuts at the first EOS,
-  so padding never enters a loss, and a reward model is read where its own forward pass pools (the
-  last token that is not the pad token: the one before the EOS when pad == EOS).
-- --missing-eos-penalty P subtracts P >= 0 from the score of a completion without EOS, as TRL's
-  PPOConfig.missing_eos_penalty does; the N+ code replaces that score with -1
-  (penalty_reward_value).
-- The adaptive KL controller's flags are --adaptive-kl-target / --adaptive-kl-horizon (target and
-  horizon in Ziegler et al.'s code), not --target-kl, which in ppo_continuous.py and CleanRL stops
-  an update's epochs early.
-
-Several GPUs (as nanoGPT's train.py): `torchrun --nproc_per_node K ppo_lm.py ...` runs the same
-file; --prompts-per-step stays global, each process samples and trains on its share, whitening and
-the adaptive KL controller use statistics of the global batch, losses are normalised by global
-counts and the policy and value gradients are summed over processes once per update. Only rank 0
-logs, evaluates and saves.
+Under torchrun each process samples and trains on its share of --prompts-per-step; whitening, the KL
+controller and the losses use the global batch; only rank 0 logs, evaluates and saves.
 
 Usage:  python ppo_lm.py          (see --help for every flag)
         torchrun --nproc_per_node 8 ppo_lm.py --prompts-per-step 256
