@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -196,71 +195,41 @@ class Args:
 
 @dataclass
 class Batch:
-    """Steps 1-2 of a step, this process's share: N prompts with one completion each (prompts
-    left-padded to P tokens, completions of T tokens at most), and the completions' scores (set by
-    :func:`score`)."""
+    """Steps 1-2 of a step, this process's share: N prompts left-padded to P tokens, one completion
+    of at most T tokens each, and the completions' scores (set by :func:`score`)."""
 
     examples: list[dict]  # the question (and answer) of each prompt
     completions: list[str]  # the decoded completions
-    input_ids: (
-        torch.Tensor
-    )  # (N, P + T) the prompt, then the completion (padding after its first EOS)
+    input_ids: torch.Tensor  # (N, P + T) the prompt, then the completion (padding after its EOS)
     attention_mask: torch.Tensor  # (N, P + T) 1 for real tokens
     prompt_width: int  # P: the completions start at this column
-    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including each completion's first EOS
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
-    sampler_logp: (
-        torch.Tensor | None
-    )  # (N, T) log probs under the sampler when it is not the policy (TIS)
-    score: torch.Tensor | None = (
-        None  # (N,) the reward model's or the task's score, before the EOS penalty
-    )
+    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if it is not the policy
+    score: torch.Tensor | None = None  # (N,) the reward model's or task's, before the EOS penalty
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
-    reward_fns: dict[str, torch.Tensor] = dataclasses.field(
-        default_factory=dict
-    )  # --reward-fn: each one's
+    reward_fns: dict = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
 
 
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: the pieces of RLHF-PPO, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask of the tokens of each completion up to and including its first EOS (the "EOS trick").
-
-    Args:
-        completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
-    Returns:
-        (B, T) float mask, 1 for real completion tokens (the EOS included), 0 after it. Every row
-        starts with 1: a completion has at least one token.
-    """
+    """(B, T) float mask of the (B, T) sampled tokens up to and including each completion's first
+    EOS, 0 on the padding after it (the N+ details' "EOS trick"). Every row starts with 1."""
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # number of EOS strictly before t
     return (eos_before == 0).float()
 
 
 def token_log_probs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    num_completion_tokens: int,
-    temperature: float,
-    with_entropy: bool = False,
+    model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False
 ):
-    """Log probs of the last ``T`` tokens of each sequence under ``model`` at ``temperature``.
+    """(B, T) ``log softmax(logits / temperature)`` of the last T tokens of the (B, P + T)
+    left-padded ``input_ids`` (with ``with_entropy`` also the detached (B, T) entropy, logged only).
 
-    Logits are computed only for the completion positions (``logits_to_keep``); position ids count
-    real tokens only, as in generation, so left padding changes nothing. The LM head and the
-    log-softmax run in float32 also under bf16 autocast (:func:`float32_lm_head`).
-
-    Args:
-        input_ids: (B, P + T) left-padded prompt followed by the completion.
-        attention_mask: (B, P + T) 1 for real tokens.
-        num_completion_tokens: T.
-        with_entropy: also return the entropy of ``softmax(logits / temperature)`` (no grad; logged
-        only).
-    Returns:
-        (B, T) ``log softmax(logits / temperature)`` gathered at the sampled tokens, and with
-        ``with_entropy`` a (B, T) entropy as well.
+    Logits exist for the completion positions only; position ids count real tokens only, as in
+    generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     with float32_lm_head(model):
@@ -268,14 +237,11 @@ def token_log_probs(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            logits_to_keep=num_completion_tokens + 1,
+            logits_to_keep=T + 1,
             use_cache=False,
         ).logits
-    log_probs = (logits[:, :-1].float() / temperature).log_softmax(
-        -1
-    )  # logits at position j predict token j + 1
-    targets = input_ids[:, -num_completion_tokens:]
-    logp = torch.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
+    log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # j predicts token j + 1
+    logp = torch.gather(log_probs, 2, input_ids[:, -T:].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp
     with torch.no_grad():
@@ -283,23 +249,12 @@ def token_log_probs(
     return logp, entropy
 
 
-def token_values(
-    value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int
-) -> torch.Tensor:
-    """Per-token values V(s_t) of the completion tokens: the scalar head on the backbone's hidden
-    states.
+def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
+    """(B, T) float32 values V(s_t) of the last T tokens of the (B, P + T) ``input_ids``: the
+    ``score`` head of the sequence-classification ``value_model`` on its backbone's hidden states.
 
-    The state s_t before emitting completion token o_t is the prompt and o_<t, whose last token
-    sits at position j = P + t - 1. So V(s_t) is read at the hidden state of position P + t - 1 (the
-    previous token: the last prompt token for t = 0), the same position whose logits give pi(o_t |
-    s_t). V of the state after the last token is never needed: it is terminal, valued 0.
-
-    Args:
-        value_model: a sequence-classification model (a backbone ``base_model`` plus a ``score``
-        head). input_ids, attention_mask: (B, P + T) left-padded prompt followed by the completion.
-        num_completion_tokens: T.
-    Returns:
-        (B, T) float32 values.
+    The state s_t before completion token o_t ends at position P + t - 1, whose logits give
+    pi(o_t | s_t): V(s_t) is read there. The state after the last token is terminal, valued 0.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     hidden = value_model.base_model(
@@ -308,67 +263,32 @@ def token_values(
         position_ids=position_ids,
         use_cache=False,
     ).last_hidden_state
-    return value_model.score(hidden[:, -num_completion_tokens - 1 : -1]).squeeze(-1).float()
+    return value_model.score(hidden[:, -T - 1 : -1]).squeeze(-1).float()
 
 
-def per_token_rewards(
-    scores: torch.Tensor,
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    mask: torch.Tensor,
-    beta: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (DeepSeekMath eq. 2, InstructGPT eq. 2): ``-beta * KL_t``, plus the score
-    on the last token.
+def per_token_rewards(scores, logp, ref_logp, mask, beta: float) -> tuple[torch.Tensor, ...]:
+    """(rewards, kl), both (B, T): ``-beta * KL_t`` on every valid token, plus the (B,) ``scores``
+    on the last valid token (the EOS when there is one), 0 after it (DeepSeekMath eq. 2,
+    InstructGPT eq. 2).
 
-    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)``, the k1 estimator of KL(pi_old || pi_ref):
-    unbiased, may be negative. Used as a reward, its expected score-function gradient is that of
-    KL(pi || pi_ref), so the updates optimise ``E[score] - beta * KL(pi || pi_ref)``; k3 in its
-    place would not (see the module docstring).
-
-    Args:
-        scores: (B,) one score per completion (reward model or verifiable reward, with the
-        missing-EOS penalty). logp, ref_logp: (B, T) log probs of the sampled tokens under pi_old
-        and pi_ref (ref None: no KL). mask: (B, T) 1 for completion tokens up to and including the
-        first EOS (a prefix of ones).
-    Returns:
-        (rewards, kl): both (B, T); the KL term on every valid token, the score only at the last
-        valid token (the EOS when there is one), 0 after it.
+    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)`` from the (B, T) ``logp`` and ``ref_logp``
+    (None: no KL), the k1 estimator: as a reward its expected gradient is that of KL(pi || pi_ref),
+    so PPO optimises ``E[score] - beta * KL(pi || pi_ref)`` (k3 would not: docs/ppo_lm.md).
     """
-    # masked first: whatever the log probs hold after the EOS (even inf) never reaches the rewards
-    kl = (
-        torch.where(mask.bool(), logp - ref_logp, 0.0)
-        if ref_logp is not None
-        else torch.zeros_like(logp)
-    )
+    kl = torch.zeros_like(mask)  # no reference model (beta = 0): no KL
+    if ref_logp is not None:  # masked first: whatever follows the EOS (even inf) never enters
+        kl = torch.where(mask.bool(), logp - ref_logp, 0.0)
     rewards = -beta * kl
     last = mask.sum(1).long().clamp(min=1) - 1  # index of each completion's last valid token
     rewards[torch.arange(len(last)), last] += scores.to(rewards)
     return rewards, kl
 
 
-def masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    shift_mean: bool = True,
-    eps: float = 1e-8,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> torch.Tensor:
-    """``(x - mean) / std`` with mean and (unbiased) std over the valid tokens only; 0 at masked
-    tokens.
-
-    The N+ details whiten the advantages, and optionally the rewards (rescaled only,
-    ``shift_mean=False``).
-
-    Args:
-        x, mask: (B, T).
-        shift_mean: False keeps the mean (reward whitening only rescales).
-        all_reduce: sums a tensor over processes. Default: the identity, for one process. Under
-            ``torchrun`` the loop passes ``common.all_reduce``: mean and std are then those of the
-            valid tokens of every process, so the result does not depend on how the batch is split.
-    Returns:
-        (B, T) whitened ``x``.
-    """
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_reduce=lambda t: t) -> torch.Tensor:
+    """``(x - mean) / std`` of the (B, T) ``x``, mean and unbiased std over the valid tokens only
+    (``shift_mean=False``: the mean is kept), 0 at masked tokens. The N+ details whiten the
+    advantages, and optionally the rewards. ``all_reduce`` sums a tensor over processes (torchrun:
+    ``common.all_reduce``, so the statistics are those of the global batch)."""
     n, total = all_reduce(torch.stack([mask.sum(), (x * mask).sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
@@ -378,22 +298,12 @@ def masked_whiten(
     return out * mask
 
 
-def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation over tokens (Schulman et al. 2016, eq. 16) and the value
-    targets.
+def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, T) and 0 at masked positions: Generalized Advantage
+    Estimation over tokens (Schulman et al. 2016, eq. 16) from the (B, T) rewards and values.
 
     ``delta_t = r_t + gamma * V(s_t+1) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_t+1``, ``R_t =
-    A_t + V(s_t)``. The state after the last valid token is terminal: its value is 0 and nothing
-    after it counts.
-
-    Args:
-        rewards: (B, T) per-token rewards (0 after the last valid token).
-        values: (B, T) V(s_t) from the value model at sampling time; masked positions are ignored.
-        mask: (B, T) 1 for completion tokens up to and including the first EOS.
-    Returns:
-        (advantages, returns): both (B, T), 0 at masked positions.
+    A_t + V(s_t)``. The state after the last valid token is terminal: valued 0, nothing after it.
     """
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
@@ -423,20 +333,17 @@ def ppo_loss(
     sampler_logp: torch.Tensor | None = None,
     tis_cap: float = 0.0,
 ):
-    """PPO loss of a micro-batch, ``-J(theta) + vf_coef * L(phi)``, for gradient accumulation.
+    """(loss, stats) of a micro-batch: ``-J(theta) + vf_coef * L(phi)`` and detached sums (divide by
+    ``tokens``) and extremes for logging.
 
     Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7); value:
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (N+ details). Both are
     averaged over each sequence's ``|o|`` tokens (as grpo_lm.py does), summed and divided by the
-    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. The
-    log ratio is masked before ``exp``. TIS (Yao et al. 2025; TRL's ``token_truncate``), ``tis_cap >
-    0``: each token's surrogate is weighted by the detached ``min(pi_old / pi_sampler, tis_cap)``.
-    Args:
-        logp, old_logp, advantages, returns: (b, T) log probs under the policy (with grad) and
-            pi_old, whitened GAE advantages, the GAE value targets; values, old_values: (b, T)
-            V_phi(s_t) (with grad) and at sampling time; mask: (b, T) 1 up to the first EOS.
-        sampler_logp: (b, T) log probs under the sampler, or None.
-    Returns: (loss, stats): the scalar loss and detached sums (divide by ``tokens``) and extremes.
+    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. TIS
+    (Yao et al. 2025; TRL's ``token_truncate``), ``tis_cap > 0``: each token's surrogate is weighted
+    by the detached ``min(pi_old / pi_sampler, tis_cap)``. All tensors are (b, T): ``logp`` and
+    ``values`` with grad, the others from sampling time, ``advantages`` whitened; ``mask`` 1 up to
+    the first EOS.
     """
     valid = mask.bool()
     log_ratio = torch.where(valid, logp - old_logp, 0.0)  # before exp(): no inf * 0 after the EOS
@@ -462,29 +369,16 @@ def ppo_loss(
         stats = dict(policy_loss=policy_loss.detach(), value_loss=value_loss.detach())
         stats["tokens"], stats["clipped"] = mask.sum(), (clipped.float() * mask).sum()
         stats["value_clipped"] = ((value_losses_clipped > value_losses).float() * mask).sum()
-        # approx_kl: k3 of KL(pi_old || pi_theta)
-        stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()
+        stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()  # k3 of KL(pi_old || pi)
         stats["ratio_min"] = ratio[valid].min() if valid.any() else one
         stats["ratio_max"] = ratio[valid].max() if valid.any() else one
     return loss, stats
 
 
-def adaptive_kl_coef(
-    beta: float, kl: float, target: float, num_sequences: int, horizon: int
-) -> float:
-    """Adaptive KL controller (Ziegler et al. 2019 §2.2, as in their lm-human-preferences code): the
-    next beta.
-
-    ``beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences / horizon)``. It moves
-    the KL coefficient of the reward; it never stops an update early (that is --target-kl in
-    ppo_continuous.py).
-
-    Args:
-        beta: the current KL coefficient.
-        kl: the batch's mean KL per sequence (per-token KL summed over the completion, nats).
-        target: the KL per sequence to steer towards (--adaptive-kl-target), > 0.
-        num_sequences: sequences in the batch; horizon: --adaptive-kl-horizon, in sequences.
-    """
+def adaptive_kl_coef(beta, kl: float, target: float, num_sequences: int, horizon: int) -> float:
+    """The next beta of the adaptive KL controller (Ziegler et al. 2019 §2.2, their
+    lm-human-preferences code): ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences /
+    horizon)``, ``kl`` the batch's mean KL per sequence (nats). It never stops an update early."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return beta * (1 + error * num_sequences / horizon)
 
@@ -493,13 +387,11 @@ def adaptive_kl_coef(
 def float32_lm_head(model):
     """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
 
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor
-    under every log prob that enters the loss: on a policy a hair away from its reference, the k3 KL
-    read ~1.5e-3 per token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward
-    runs on the hidden states cast to float32 with autocast off, so a LoRA adapter on the head
-    (``--lora-target-modules lm_head``) acts too; the head's weights are float32
-    (``common.load_model`` loads them so) and are neither copied nor cast. Without autocast it is
-    the head's usual forward, so the numbers do not change.
+    Logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every log prob of the
+    loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per token against a
+    true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on float32 hidden states
+    with autocast off, so a LoRA adapter on the head acts too; its weights are float32
+    (``common.load_model``) and are not copied. Without autocast the numbers do not change.
     """
     head = model.get_output_embeddings()
     own_forward, patched = head.forward, "forward" in vars(head)
