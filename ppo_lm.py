@@ -414,15 +414,13 @@ def float32_lm_head(model):
 # RLHF-PPO, the N+ details' training loop
 # ----------------------------------------------------------------------------------------------
 def main(args: Args, task: tasks.Task | None = None) -> dict:
-    """Train with PPO; returns the per-step history of logged scalars (a dict of lists).
-
-    ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
-    Under ``torchrun`` every process runs this function on its share of the batch; the returned
-    history holds the global values on every rank.
+    """Train with PPO; returns the per-step history of logged scalars (a dict of lists; under
+    torchrun, where each process runs this on its share of the batch, the global values on every
+    rank). ``task`` replaces the built-in task: any :class:`tasks.Task`, e.g. with your own reward.
     """
     # A bad flag, checkpoint, run directory, dataset or reward file fails here, before any load
     validate(args)
-    checkpoint = resume_checkpoint(args)
+    checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)  # --resume's, checked; else None
     run_dir = common.make_run_dir(args)
     task = task or tasks.task_of(args)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
@@ -439,19 +437,16 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     # policy). Every process loads the same weights: they stay equal (same all-reduced gradients).
     policy = common.load_policy(args, device)
     reference = common.load_reference(policy, args, device)  # LoRA: the adapter disabled
-    reward_model = load_reward_model(args, tokenizer, device)
-    value_model = load_value_model(args, tokenizer, device)
-    optimizer = make_optimizer(policy, value_model, args, device)
-    policy_params, value_params = (group["params"] for group in optimizer.param_groups)
+    reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
+    policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    value_params = list(value_model.parameters())
+    groups = [{"params": policy_params}, {"params": value_params}]
+    optimizer = torch.optim.AdamW(groups, fused=device.type == "cuda")  # lr, eps...: restore()
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
-    bar = {
-        "reward": "reward/mean",
-        "kl": "loss/kl",
-        "vloss": "loss/value",
-        "len": "completion/length_mean",
-    }
+    bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
-    sampler = make_sampler(policy, tokenizer, questions, args, rank, world)  # --fast-generation
+    sampling_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
+    sampler = Sampler(sampling_model, options, tokenizer, questions, rank, world)  # bf16: a copy
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -461,8 +456,9 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
-    temperature, eps, eps_v = args.temperature, args.clip_range, args.clip_range_value
-    micro_batch_size, tis_cap = args.micro_batch_size, args.tis_cap
+    # ppo_loss's eps, eps_v, value-loss weight and sequences per minibatch (of every process)
+    constants = (args.clip_range, args.clip_range_value, args.vf_coef, minibatch_size * world)
+    temperature, micro_batch_size = args.temperature, args.micro_batch_size
     for step in log.progress(start_step, args.total_steps):
         t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # for non-finite errors
         # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
@@ -479,7 +475,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         ref_logp = torch.zeros_like(mask) if reference is not None else None
         everyone = torch.arange(N, device=device)
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            for idx, ids, att, t in make_micro_batches(everyone, batch, args.micro_batch_size):
+            for idx, ids, att, t in make_micro_batches(everyone, batch, micro_batch_size):
                 old_logp[idx, :t] = token_log_probs(policy, ids, att, t, temperature)
                 old_values[idx, :t] = token_values(value_model, ids, att, t)
                 if reference is not None:
@@ -495,38 +491,24 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # every process
 
         # ---- 6. PPO updates: --num-ppo-epochs passes, --num-minibatches optimizer steps each ----
-        totals, t2 = new_totals(), time.time()
+        stats, t2 = [], time.time()  # ppo_loss's stats of each micro-batch, norms of each update
         for _ in range(args.num_ppo_epochs):
-            perm = torch.randperm(N, device=device)  # a new split into minibatches every epoch
-            for start in range(0, N, minibatch_size):
+            for minibatch in torch.randperm(N, device=device).split(minibatch_size):  # new split
                 optimizer.zero_grad(set_to_none=True)
-                minibatch = perm[start : start + minibatch_size]
                 with common.train_mode((policy, value_model), args.gradient_checkpointing):
                     for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
                         with common.bf16_autocast(device, args.bf16):
                             logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
                             values = token_values(value_model, ids, att, t)
-                        old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
-                        adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
+                        old = (old_logp, advantages, old_values, returns, mask)
+                        old_lp, adv, old_v, ret, m = (x[idx, :t] for x in old)
                         tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
-                        loss, stats = ppo_loss(
-                            logp,
-                            old_lp,
-                            adv,
-                            values,
-                            old_v,
-                            ret,
-                            m,
-                            eps,
-                            eps_v,
-                            args.vf_coef,
-                            minibatch_size * world,
-                            tis,
-                            tis_cap,
+                        loss, micro_stats = ppo_loss(
+                            logp, old_lp, adv, values, old_v, ret, m, *constants, tis, args.tis_cap
                         )
                         common.check_finite_update(*where, loss=loss)
                         loss.backward()
-                        accumulate(totals, {**stats, "entropy": (entropy * m).sum()})
+                        stats.append({**micro_stats, "entropy": (entropy * m).sum()})
                 common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
@@ -535,18 +517,14 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                 )
                 optimizer.step()
                 common.check_finite_parameters(policy_params + value_params, *where)
-                norms = {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1}
-                accumulate(totals, norms)
+                stats.append({"grad_norm": grad_norm, "value_grad_norm": value_grad_norm})
 
         # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
         beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
         tensors, times = (old_logp, old_values, returns), (t0, gen_time, t2)
-        metrics = step_metrics(
-            args, batch, scores, kl, beta_used, tensors, totals, optimizer, times
-        )
-        log(step + 1, metrics)
+        log(step + 1, step_metrics(args, batch, scores, kl, beta_used, tensors, stats, times))
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
@@ -559,34 +537,27 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the value
-# model's start
+# The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the
+# reward and value models
 # ----------------------------------------------------------------------------------------------
 def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     """Step 1: this process's N prompts of the step and one completion of each from pi_old, the
-    current policy.
+    current policy (or its bf16 copy, first given the policy's current weights); scores unset.
 
     The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)``
-    (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each after
-    reseeding torch from ``(--seed, step, global index of the call's first prompt)``: samples do not
-    depend on the number of processes. Each completion ends at its first EOS and is padded after it
-    (the N+ details' EOS trick, :func:`completion_mask`). The sampler is the policy itself, or with
-    --fast-generation its bf16 copy, which first gets the policy's current weights
-    (:func:`make_sampler`).
+    (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each reseeded
+    from ``(--seed, step, global index of its first prompt)``: samples do not depend on the number
+    of processes. Each completion is padded after its first EOS (:func:`completion_mask`).
 
-    Returns:
-        the step's :class:`Batch`, its scores still unset (step 2, :func:`score`).
     Raises:
         UsageError: the sampling probabilities are not finite (diverged weights).
     """
-    common.refresh_sampler(
-        sampler.model, policy
-    )  # --fast-generation: the bf16 copy gets the policy's weights
+    common.refresh_sampler(sampler.model, policy)  # --fast-generation: the policy's weights
     tokenizer, N = sampler.tokenizer, args.prompts_per_step // sampler.world
+    pad = tokenizer.pad_token_id
     first = sampler.rank * N  # global index of this process's first prompt
-    picks = np.random.default_rng([args.seed, step]).choice(
-        len(sampler.questions), args.prompts_per_step, replace=False
-    )
+    rng = np.random.default_rng([args.seed, step])
+    picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
     examples = [sampler.questions[i] for i in picks[first : first + N]]
     style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *style)
@@ -594,16 +565,14 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     rows, row_logps = common.generate_completions(
         sampler.model, prompts, 1, tokenizer, device, **seeds, **sampler.options
     )
-    prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id, device)
+    prompt_ids, prompt_mask = common.pad_left(prompts, pad, device)
     T = max(len(r) for r in rows)
-    completion_ids = torch.tensor(
-        [r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device
-    )
+    completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     sampler_logp = None
     if sampler.options["record"]:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
-    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
+    completion_ids = torch.where(mask.bool(), completion_ids, pad)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
@@ -613,162 +582,97 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
 
 
 def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> Batch:
-    """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's,
-    read where its own forward pass pools (--reward-model-path), or else the task's verifiable
-    reward.
+    """Step 2: ``batch.score``, (N,) on the CPU, before the missing-EOS penalty: the frozen reward
+    model's, read where its own forward pass pools, or else the task's reward (with --reward-fn
+    each function's own rewards too, in ``reward_fns``); and ``correct``, the final answer is right.
+    The reward functions read --response-prefix + completion.
 
-    Returns:
-        (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and ``reward_fns``:
-        with --reward-fn, each function's own (N,) rewards by name. The reward functions read
-        --response-prefix + completion.
     Raises:
-        UsageError: the reward function raises or returns a non-finite value.
+        UsageError: a reward function raises or returns a non-finite value.
     """
-    examples = batch.examples
-    responses = [
-        args.response_prefix + c for c in batch.completions
-    ]  # what the reward functions read
-    each = {}
+    responses = [args.response_prefix + c for c in batch.completions]
     if reward_model is not None:
-        scores = common.score_with_reward_model(
-            reward_model,
-            batch.input_ids,
-            batch.attention_mask,
-            args.micro_batch_size,
-            device,
-            args.bf16,
+        ids, att, size = batch.input_ids, batch.attention_mask, args.micro_batch_size
+        batch.score = common.score_with_reward_model(
+            reward_model, ids, att, size, device, args.bf16
         )
     else:
-        scores, each = tasks.score_task(
-            task, responses, examples
-        )  # --reward-fn: each function's own rewards too
-    batch.score, batch.correct, batch.reward_fns = (
-        scores,
-        tasks.score_correct(task, responses, examples),
-        each,
-    )
+        batch.score, batch.reward_fns = tasks.score_task(task, responses, batch.examples)
+    batch.correct = tasks.score_correct(task, responses, batch.examples)
     return batch
 
 
-def load_value_model(args: Args, tokenizer, device):
-    """The value model V_phi: a backbone with a scalar head ('score'), from the reward model (N+
-    details) or else from the policy, whose new head is zero-initialised so that every initial value
-    is 0 rather than noise.
+def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, Any]:
+    """The frozen reward model of --reward-model-path (None without it) and the value model V_phi,
+    a backbone with a scalar head ('score'): from the reward model (N+ details), or else from the
+    policy with its new head zeroed, so that every initial value is 0 rather than noise.
 
     Raises:
-        UsageError: the model cannot take a value head, or its vocabulary does not fit the
-        tokenizer.
+        UsageError: a model that cannot take a value head, or whose vocabulary does not fit the
+            tokenizer.
     """
-    value_source, value_flag = (
-        (args.reward_model_path, "--reward-model-path")
-        if args.reward_model_path
-        else (args.model_name_or_path, "--model-name-or-path")
-    )
-    value_model = common.load_model(
-        value_source, kind="reward", device=device, flag=value_flag
-    ).eval()
-    check(
-        hasattr(value_model, "score"),
-        f"{value_flag}: cannot attach a value head ('score') to {value_source}",
-    )
-    common.check_vocabulary(value_model, tokenizer, value_flag)
-    if not args.reward_model_path:
+    reward_model, path, flag = None, args.model_name_or_path, "--model-name-or-path"
+    if args.reward_model_path is not None:
+        path, flag = args.reward_model_path, "--reward-model-path"
+        reward_model = (
+            common.load_reward_model(path, tokenizer, device).eval().requires_grad_(False)
+        )
+    value_model = common.load_model(path, kind="reward", device=device, flag=flag).eval()
+    check(hasattr(value_model, "score"), f"{flag}: cannot attach a value head ('score') to {path}")
+    common.check_vocabulary(value_model, tokenizer, flag)
+    if reward_model is None:
         with torch.no_grad():
             for p in value_model.score.parameters():
                 p.zero_()
-    if (
-        args.gradient_checkpointing
-    ):  # HF checkpoints only in train mode: the updates switch .train() on
+    if args.gradient_checkpointing:  # HF checkpoints in train mode only: the updates switch it on
         common.enable_gradient_checkpointing(value_model)
-    return value_model
+    return reward_model, value_model
 
 
 # ----------------------------------------------------------------------------------------------
 # Extension (off by default): the adaptive KL controller of Ziegler et al. 2019
 # ----------------------------------------------------------------------------------------------
 def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
-    """Step 7: the next step's KL coefficient. Fixed without --adaptive-kl-target; with it, moved
-    towards the target by :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch
-    (Ziegler et al. 2019 §2.2).
-
-    Args:
-        beta: this step's coefficient; kl: (N, T) this process's per-token KL_t (0 after the EOS).
-    """
+    """Step 7: the next step's KL coefficient: ``beta`` without --adaptive-kl-target, else moved by
+    :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch (``kl``: this
+    process's (N, T) KL_t, 0 after the EOS)."""
     if args.adaptive_kl_target is None:
         return beta
-    kl_per_sequence = (
-        common.all_reduce(kl.sum()).item() / args.prompts_per_step
-    )  # torchrun: every process's sequences
-    return adaptive_kl_coef(
-        beta,
-        kl_per_sequence,
-        args.adaptive_kl_target,
-        args.prompts_per_step,
-        args.adaptive_kl_horizon,
-    )
+    kl_per_sequence = common.all_reduce(kl.sum()).item() / args.prompts_per_step  # all processes'
+    target, horizon = args.adaptive_kl_target, args.adaptive_kl_horizon
+    return adaptive_kl_coef(beta, kl_per_sequence, target, args.prompts_per_step, horizon)
 
 
 # ----------------------------------------------------------------------------------------------
-# Scale-out and speed: the bf16 sampler, micro-batches, gradient checkpointing, torchrun
+# Scale-out and speed: the bf16 sampler, micro-batches (torchrun: common.py)
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class Sampler:
-    """What step 1 samples with, made once by :func:`make_sampler`."""
+    """What step 1 samples with (``common.sampler_for``): the policy itself, or with
+    --fast-generation its bfloat16 copy with a static KV cache, which transformers compiles on CUDA,
+    refreshed in place before every rollout. Log probs for the loss always come from the policy, so
+    a bf16 sampler draws from a slightly different distribution than the ratio and the KL assume:
+    the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it."""
 
-    model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
-    # common.generate_completions' options (temperature, top-p, lengths, ...); its "record": keep
-    # the sampler's own log probs (it is not the trained module, or runs in bf16)
-    options: dict
+    model: Any  # what generates: the policy, or its bfloat16 copy
+    options: dict  # common.generate_completions' options; "record": keep the sampler's log probs
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    rank: (
-        int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of each step
-    )
+    rank: int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of a step
     world: int
 
 
-def make_sampler(
-    policy, tokenizer, questions: list[dict], args: Args, rank: int, world: int
-) -> Sampler:
-    """The sampler of step 1: the policy itself, or with --fast-generation a bfloat16 copy of it
-    with a static KV cache, which transformers compiles on CUDA, refreshed in place before every
-    rollout (so the compiled CUDA graphs stay valid). Log probs for the loss always come from the
-    policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different
-    distribution than the ratio and the KL assume: the gap is logged every step
-    (sampling/logp_diff_*) and --tis-cap corrects it."""
-    model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
-    return Sampler(model, options, tokenizer, questions, rank, world)
-
-
-def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int) -> list:
-    """Split ``indices`` into micro-batches of similar completion length, each trimmed of the
-    padding it does not need (left of its longest prompt, right of its longest completion). The
-    losses are sums over sequences, so the grouping changes no result, only the time spent on
-    padding.
-
-    Args:
-        batch: the step's rollout (:func:`rollout`): ``input_ids``, ``attention_mask``, ``mask`` and
-        ``P``.
-    Returns:
-        [(idx, input_ids (b, p + t), attention_mask (b, p + t), t)]: completions occupy the last t
-        columns.
-    """
-    input_ids, attention_mask, mask, P = (
-        batch.input_ids,
-        batch.attention_mask,
-        batch.completion_mask,
-        batch.prompt_width,
-    )
+def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int):
+    """``indices`` in micro-batches of ``size`` sequences of similar completion length, each
+    (idx, input_ids, attention_mask, t) trimmed of the padding it does not need (left of its longest
+    prompt, right of its longest completion: the completions fill the last t columns). The losses
+    are sums over sequences, so the grouping changes no result, only the time spent on padding."""
+    mask, P = batch.completion_mask, batch.prompt_width
     order = indices[torch.argsort(mask[indices].sum(1), descending=True, stable=True)]
-    batches = []
-    for i in range(0, len(order), size):
-        idx = order[i : i + size]
-        first = int(
-            attention_mask[idx, :P].any(0).float().argmax()
-        )  # first column with a real token
+    for idx in order.split(size):
+        first = int(batch.attention_mask[idx, :P].any(0).float().argmax())  # first real column
         t = int(mask[idx].sum(1).max())
-        batches.append((idx, input_ids[idx, first : P + t], attention_mask[idx, first : P + t], t))
-    return batches
+        yield idx, batch.input_ids[idx, first : P + t], batch.attention_mask[idx, first : P + t], t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -784,16 +688,14 @@ FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA
 }
 # what to check after a non-finite update
 HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"
+# ppo_loss's sums, added over the micro-batches of a step
+SUMMED = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy")
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: each flag's own
-    constraint (beside it in ``Args``) and the rules both LM scripts share
-    (:func:`common.check_lm_flags`), then PPO's rules.
-
-    Raises:
-        UsageError: naming the flag and what it expects.
-    """
+    """One-line errors (:class:`UsageError`, naming the flag) for flag values that cannot work,
+    before anything loads: each flag's own constraint and the rules both LM scripts share
+    (``common.check_lm_flags``, ``tasks.check_task_flags``), then PPO's."""
     common.check_lm_flags(args)
     tasks.check_task_flags(
         args.format_reward,
@@ -804,160 +706,72 @@ def validate(args: Args) -> None:
         args.system_prompt,
         args.response_prefix,
     )
-    world = common.world_size()
-    check(
-        args.prompts_per_step % args.num_minibatches == 0,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches "
-        f"{args.num_minibatches}",
-    )
+    prompts, world, minibatches = args.prompts_per_step, common.world_size(), args.num_minibatches
+    divisible = f"must be divisible by --num-minibatches {minibatches}"
+    check(prompts % minibatches == 0, f"--prompts-per-step {prompts} {divisible}")
     check(
         args.adaptive_kl_target is None or args.beta > 0,
         "--adaptive-kl-target needs --beta > 0 (the controller scales beta)",
     )
     check(
-        args.prompts_per_step % world == 0,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-        f"world size {world} (the number of torchrun processes)",
+        prompts % world == 0,
+        f"--prompts-per-step {prompts} must be divisible by the world size {world} (the number of "
+        "torchrun processes)",
     )
-    check(
-        args.prompts_per_step // world % args.num_minibatches == 0,
-        f"--prompts-per-step {args.prompts_per_step} / "
-        f"world size {world} = {args.prompts_per_step // world} prompts per process must be "
-        "divisible by "
-        f"--num-minibatches {args.num_minibatches}",
-    )
+    per_process = f"--prompts-per-step {prompts} / world size {world} = {prompts // world}"
+    check(prompts // world % minibatches == 0, f"{per_process} prompts per process {divisible}")
 
 
-def load_reward_model(args: Args, tokenizer, device):
-    """The frozen reward model of --reward-model-path (:func:`common.load_reward_model`), or
-    None."""
-    if args.reward_model_path is None:
-        return None
-    return (
-        common.load_reward_model(args.reward_model_path, tokenizer, device)
-        .eval()
-        .requires_grad_(False)
-    )
-
-
-def make_optimizer(policy, value_model, args: Args, device) -> torch.optim.AdamW:
-    """One AdamW over two parameter groups, the policy's trained weights (--learning-rate) and the
-    value model's (--value-learning-rate), with the N+ details' epsilon (--adam-eps); fused on CUDA
-    (one kernel, the same math)."""
-    policy_group = {
-        "params": [p for p in policy.parameters() if p.requires_grad],
-        "lr": args.learning_rate,
-    }
-    value_group = {
-        "params": list(value_model.parameters()),
-        "lr": args.value_learning_rate or args.learning_rate,
-    }
-    return torch.optim.AdamW(
-        [policy_group, value_group],
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
-
-
-def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads by
-    :func:`common.resume_checkpoint`: this script's, with the flags that cannot change unchanged
-    (``FROZEN``), steps left to train and no NaN or inf; None without --resume. A run saved with a
-    flag this file no longer has (--kl-estimator, --target-kl) cannot be resumed.
-
-    Raises:
-        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that
-            cannot change, or a run that already reached --total-steps.
-    """
-    return common.resume_checkpoint(args, SCRIPT, FROZEN)
-
-
-def restore(
-    checkpoint: dict | None, args: Args, policy, value_model, optimizer
-) -> tuple[int, float]:
-    """Load a checkpoint's weights and optimizer state; returns the step it was written at and the
-    KL coefficient of the next step: with --adaptive-kl-target the controller's saved value, else
-    --beta (given again, it takes effect). The flags given now set the optimizer's hyperparameters
-    (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay take effect on resume).
+def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer):
+    """Start or resume: the optimizer's hyperparameters from the flags (--learning-rate,
+    --value-learning-rate, --adam-eps, --weight-decay; on resume too, after the checkpoint's
+    weights and optimizer state are loaded). Returns the step to start from and its KL coefficient:
+    with --adaptive-kl-target on resume the controller's saved value, else --beta.
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
     """
-    if checkpoint is None:
-        return 0, args.beta
-    try:
-        common.load_trained_weights(policy, checkpoint["policy"])
-        value_model.load_state_dict(checkpoint["value_model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(
-            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-            f"({type(e).__name__}: {common.first_line(e)[:200]})"
-        ) from None
+    if checkpoint is not None:
+        try:
+            common.load_trained_weights(policy, checkpoint["policy"])
+            value_model.load_state_dict(checkpoint["value_model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UsageError(
+                f"--resume: {args.resume} does not fit {args.model_name_or_path} "
+                f"({type(e).__name__}: {common.first_line(e)[:200]})"
+            ) from None
     lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    return checkpoint["step"], checkpoint[
-        "kl_coef"
-    ] if args.adaptive_kl_target is not None else args.beta
+    if checkpoint is None:
+        return 0, args.beta
+    adaptive = args.adaptive_kl_target is not None
+    return checkpoint["step"], checkpoint["kl_coef"] if adaptive else args.beta
 
 
-def new_totals() -> dict:
-    """Sums and extremes of a step's statistics, filled by :func:`accumulate`: per micro-batch those
-    of :func:`ppo_loss` and the entropy, per update the gradient norms and the update count."""
-    totals = {
-        k: 0.0
-        for k in (
-            "policy_loss",
-            "value_loss",
-            "tokens",
-            "clipped",
-            "value_clipped",
-            "approx_kl",
-            "entropy",
-            "grad_norm",
-            "value_grad_norm",
-            "updates",
-        )
-    }
-    return {**totals, "ratio_min": math.inf, "ratio_max": -math.inf}
-
-
-def accumulate(totals: dict, stats: dict) -> None:
-    """Add ``stats`` (tensors or numbers) to ``totals``: the ratio's extremes are kept, everything
-    else summed."""
-    for key, value in stats.items():
-        if key == "ratio_min":
-            totals[key] = min(totals[key], float(value))
-        elif key == "ratio_max":
-            totals[key] = max(totals[key], float(value))
-        else:
-            totals[key] += float(value)
-
-
-def step_metrics(
-    args, batch: Batch, scores, kl, beta: float, tensors, totals: dict, optimizer, times
-):
+def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: list, times) -> dict:
     """A step's logged scalars over the global batch (gathered from every process): ``reward/mean``
     is the score before the missing-EOS penalty, ``reward/score`` after it, ``reward/non_score`` the
-    summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every
-    micro-batch. ``tensors``: (N, T) old log probs, old values and returns; ``times``: the step's
-    start, step 1's seconds and step 6's start."""
+    summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every micro-batch.
+    ``tensors``: (N, T) old log probs, old values and returns; ``stats``: :func:`ppo_loss`'s of each
+    micro-batch and each update's gradient norms; ``times``: the step's start, step 1's seconds and
+    step 6's start."""
     old_logp, old_values, returns = tensors
     mask = batch.completion_mask
-    valid = mask.bool()
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
     rewards_task, correct, scores, non_score, lengths, truncated = (
         common.all_gather(x.float().cpu())
         for x in (batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated)
     )
-    summed = ["policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl"]
-    summed.append("entropy")
-    sums = common.all_reduce(torch.tensor([totals[k] for k in summed])).tolist()
-    totals = {**totals, **dict(zip(summed, sums, strict=True))}
-    tokens, num_updates = max(totals["tokens"], 1), totals["updates"]
+    micro = [s for s in stats if "tokens" in s]  # ppo_loss's stats of each micro-batch
+    updates = [s for s in stats if "grad_norm" in s]  # the gradient norms of each update
+    sums = torch.tensor([sum(float(s[k]) for s in micro) for k in SUMMED])
+    totals = dict(zip(SUMMED, common.all_reduce(sums).tolist(), strict=True))
+    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in micro))
+    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in micro))
+    tokens, num_updates = max(totals["tokens"], 1), len(updates)
     (t0, gen_time, t2), now = times, time.time()
     return {
         "reward/mean": rewards_task.mean().item(),
@@ -973,16 +787,16 @@ def step_metrics(
         "loss/value_clip_fraction": totals["value_clipped"] / tokens,
         "loss/approx_kl": totals["approx_kl"] / tokens,
         "loss/entropy": totals["entropy"] / tokens,
-        "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
-        "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
+        "loss/ratio_min": common.all_reduce(ratio_min, "min").item(),
+        "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "kl/sequence_mean": kl_sum / args.prompts_per_step,
         "kl/beta": beta,
-        **value_metrics(old_values, returns, valid),
+        **value_metrics(old_values, returns, mask.bool()),
         "completion/length_mean": lengths.float().mean().item(),
         "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": totals["grad_norm"] / num_updates,
-        "optim/value_grad_norm": totals["value_grad_norm"] / num_updates,
-        "optim/learning_rate": optimizer.param_groups[0]["lr"],
+        "optim/grad_norm": sum(float(s["grad_norm"]) for s in updates) / num_updates,
+        "optim/value_grad_norm": sum(float(s["value_grad_norm"]) for s in updates) / num_updates,
+        "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": now - t0 - gen_time,
         "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs,
@@ -1000,15 +814,12 @@ def step_metrics(
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
-    returns_all, values_all = (
-        torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values)
-    )
+    gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
+    returns_all, values_all = gathered
     var_returns = returns_all.var()
-    explained = (
-        (1 - (returns_all - values_all).var() / var_returns).item()
-        if var_returns > 0
-        else float("nan")
-    )
+    explained = math.nan
+    if var_returns > 0:
+        explained = (1 - (returns_all - values_all).var() / var_returns).item()
     return {
         "value/mean": values_all.mean().item(),
         "value/returns_mean": returns_all.mean().item(),
@@ -1016,15 +827,12 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tens
     }
 
 
-def sampler_mismatch(
-    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
+def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
     """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens
     of every process, logged whenever the sampler is not the trained module (the bf16 copy, bf16
     autocast)."""
-    diff = torch.where(
-        mask.bool(), (old_logp - sampler_logp).abs(), 0.0
-    )  # -inf past the EOS with --top-p < 1
+    # -inf past the EOS with --top-p < 1
+    diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
     return {
         "sampling/logp_diff_mean": total / max(tokens, 1),
@@ -1033,30 +841,26 @@ def sampler_mismatch(
 
 
 def save_checkpoint(
-    log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float
+    log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta
 ) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
-    exactly (the next step's KL coefficient included; not the reference, which never changes: resume
-    loads it from --model-name-or-path, which cannot change)."""
-    if not (
-        log.is_main
-        and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)
-    ):
+    exactly (the next step's beta included; not the reference, which resume loads from
+    --model-name-or-path, which cannot change)."""
+    due = (args.save_every and step % args.save_every == 0) or step == args.total_steps
+    if not (log.is_main and due):
         return
-    common.atomic_save(
-        {
-            "script": SCRIPT,
-            "policy": common.trained_weights(policy),
-            "value_model": value_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "kl_coef": beta,
-            "args": dataclasses.asdict(args),
-            "rng": common.get_rng_state(),
-            "digests": common.input_digests(args.dataset, args.reward_fn),
-        },
-        log.checkpoint,
-    )
+    state = {
+        "script": SCRIPT,
+        "policy": common.trained_weights(policy),
+        "value_model": value_model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "kl_coef": beta,
+        "args": dataclasses.asdict(args),
+        "rng": common.get_rng_state(),
+        "digests": common.input_digests(args.dataset, args.reward_fn),
+    }
+    common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch) -> list[str]:
