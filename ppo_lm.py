@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -52,7 +50,7 @@ import tasks
 from common import UsageError, check
 
 
-@dataclass
+@dataclasses.dataclass
 @pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
     # --- the N+ details' RLHF-PPO: models, task and score, sampling, rewards, GAE, PPO updates ---
@@ -193,7 +191,7 @@ class Args:
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
 
-@dataclass
+@dataclasses.dataclass
 class Batch:
     """Steps 1-2 of a step, this process's share: N prompts left-padded to P tokens, one completion
     of at most T tokens each, and the completions' scores (set by :func:`score`)."""
@@ -232,14 +230,9 @@ def token_log_probs(
     generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     with float32_lm_head(model):
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        ).logits
+        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits
     log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # j predicts token j + 1
     logp = torch.gather(log_probs, 2, input_ids[:, -T:].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
@@ -257,12 +250,8 @@ def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor
     pi(o_t | s_t): V(s_t) is read there. The state after the last token is terminal, valued 0.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = value_model.base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    ).last_hidden_state
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = value_model.base_model(**inputs, use_cache=False).last_hidden_state
     return value_model.score(hidden[:, -T - 1 : -1]).squeeze(-1).float()
 
 
@@ -306,13 +295,12 @@ def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, 
     A_t + V(s_t)``. The state after the last valid token is terminal: valued 0, nothing after it.
     """
     rewards, values = rewards * mask, values * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # terminal: 0
+    deltas = rewards + gamma * next_values - values
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
-    T = rewards.shape[1]
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
+    for t in reversed(range(rewards.shape[1])):
+        running = deltas[:, t] + gamma * lam * running
         advantages[:, t] = running
     advantages = advantages * mask
     return advantages, advantages + values
@@ -365,13 +353,12 @@ def ppo_loss(
     with torch.no_grad():
         clipped = (advantages > 0) & (ratio > 1 + clip_range)  # where the clip takes the gradient
         clipped |= (advantages < 0) & (ratio < 1 - clip_range)
-        one = ratio.new_tensor(1.0)
         stats = dict(policy_loss=policy_loss.detach(), value_loss=value_loss.detach())
         stats["tokens"], stats["clipped"] = mask.sum(), (clipped.float() * mask).sum()
         stats["value_clipped"] = ((value_losses_clipped > value_losses).float() * mask).sum()
         stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()  # k3 of KL(pi_old || pi)
-        stats["ratio_min"] = ratio[valid].min() if valid.any() else one
-        stats["ratio_max"] = ratio[valid].max() if valid.any() else one
+        ratio_valid = ratio[valid] if valid.any() else ratio.new_ones(1)  # none valid: 1
+        stats["ratio_min"], stats["ratio_max"] = ratio_valid.min(), ratio_valid.max()
     return loss, stats
 
 
@@ -621,9 +608,8 @@ def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, An
     check(hasattr(value_model, "score"), f"{flag}: cannot attach a value head ('score') to {path}")
     common.check_vocabulary(value_model, tokenizer, flag)
     if reward_model is None:
-        with torch.no_grad():
-            for p in value_model.score.parameters():
-                p.zero_()
+        for p in value_model.score.parameters():
+            torch.nn.init.zeros_(p)
     if args.gradient_checkpointing:  # HF checkpoints in train mode only: the updates switch it on
         common.enable_gradient_checkpointing(value_model)
     return reward_model, value_model
@@ -646,7 +632,7 @@ def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: the bf16 sampler, micro-batches (torchrun: common.py)
 # ----------------------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Sampler:
     """What step 1 samples with (``common.sampler_for``): the policy itself, or with
     --fast-generation its bfloat16 copy with a static KV cache, which transformers compiles on CUDA,
@@ -817,7 +803,7 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tens
     gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
     returns_all, values_all = gathered
     var_returns = returns_all.var()
-    explained = math.nan
+    explained = float("nan")
     if var_returns > 0:
         explained = (1 - (returns_all - values_all).var() / var_returns).item()
     return {
@@ -865,11 +851,8 @@ def save_checkpoint(
 
 def sample_lines(batch: Batch) -> list[str]:
     """Rank 0's first four completions with their scores, for the printed and logged samples."""
-    return [
-        f"[reward {batch.score[j]:.2f}] {batch.examples[j]['question']!r} -> "
-        f"{batch.completions[j]!r}"
-        for j in range(min(len(batch.examples), 4))
-    ]
+    first_four = list(zip(batch.score, batch.examples, batch.completions, strict=True))[:4]
+    return [f"[reward {r:.2f}] {ex['question']!r} -> {c!r}" for r, ex, c in first_four]
 
 
 def cli(argv: list[str] | None = None) -> None:
