@@ -579,10 +579,8 @@ def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> B
     """
     responses = [args.response_prefix + c for c in batch.completions]
     if reward_model is not None:
-        ids, att, size = batch.input_ids, batch.attention_mask, args.micro_batch_size
-        batch.score = common.score_with_reward_model(
-            reward_model, ids, att, size, device, args.bf16
-        )
+        inputs = batch.input_ids, batch.attention_mask, args.micro_batch_size, device, args.bf16
+        batch.score = common.score_with_reward_model(reward_model, *inputs)
     else:
         batch.score, batch.reward_fns = tasks.score_task(task, responses, batch.examples)
     batch.correct = tasks.score_correct(task, responses, batch.examples)
@@ -601,9 +599,8 @@ def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, An
     reward_model, path, flag = None, args.model_name_or_path, "--model-name-or-path"
     if args.reward_model_path is not None:
         path, flag = args.reward_model_path, "--reward-model-path"
-        reward_model = (
-            common.load_reward_model(path, tokenizer, device).eval().requires_grad_(False)
-        )
+        reward_model = common.load_reward_model(path, tokenizer, device)
+        reward_model.eval().requires_grad_(False)  # frozen
     value_model = common.load_model(path, kind="reward", device=device, flag=flag).eval()
     check(hasattr(value_model, "score"), f"{flag}: cannot attach a value head ('score') to {path}")
     common.check_vocabulary(value_model, tokenizer, flag)
@@ -683,27 +680,15 @@ def validate(args: Args) -> None:
     before anything loads: each flag's own constraint and the rules both LM scripts share
     (``common.check_lm_flags``, ``tasks.check_task_flags``), then PPO's."""
     common.check_lm_flags(args)
-    tasks.check_task_flags(
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-        args.prompt_field,
-        args.answer_field,
-        args.system_prompt,
-        args.response_prefix,
-    )
+    prompt_flags = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
+    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, *prompt_flags)
     prompts, world, minibatches = args.prompts_per_step, common.world_size(), args.num_minibatches
     divisible = f"must be divisible by --num-minibatches {minibatches}"
     check(prompts % minibatches == 0, f"--prompts-per-step {prompts} {divisible}")
-    check(
-        args.adaptive_kl_target is None or args.beta > 0,
-        "--adaptive-kl-target needs --beta > 0 (the controller scales beta)",
-    )
-    check(
-        prompts % world == 0,
-        f"--prompts-per-step {prompts} must be divisible by the world size {world} (the number of "
-        "torchrun processes)",
-    )
+    needs_beta = "--adaptive-kl-target needs --beta > 0 (the controller scales beta)"
+    check(args.adaptive_kl_target is None or args.beta > 0, needs_beta)
+    processes = f"the world size {world} (the number of torchrun processes)"
+    check(prompts % world == 0, f"--prompts-per-step {prompts} must be divisible by {processes}")
     per_process = f"--prompts-per-step {prompts} / world size {world} = {prompts // world}"
     check(prompts // world % minibatches == 0, f"{per_process} prompts per process {divisible}")
 
@@ -790,11 +775,8 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
         **common.peak_memory_gb(kl.device),
         **common.reward_fn_means(batch.reward_fns),
-    } | (
-        sampler_mismatch(old_logp, batch.sampler_logp, mask)
-        if batch.sampler_logp is not None
-        else {}
-    )
+        **sampler_mismatch(old_logp, batch.sampler_logp, mask),
+    }
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
@@ -816,7 +798,9 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tens
 def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
     """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens
     of every process, logged whenever the sampler is not the trained module (the bf16 copy, bf16
-    autocast)."""
+    autocast; ``sampler_logp`` None otherwise: nothing)."""
+    if sampler_logp is None:
+        return {}
     # -inf past the EOS with --top-p < 1
     diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
