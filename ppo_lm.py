@@ -717,8 +717,7 @@ def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer)
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     if checkpoint is None:
         return 0, args.beta
-    adaptive = args.adaptive_kl_target is not None
-    return checkpoint["step"], checkpoint["kl_coef"] if adaptive else args.beta
+    return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target else args.beta
 
 
 def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: list, times) -> dict:
@@ -810,9 +809,7 @@ def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
     }
 
 
-def save_checkpoint(
-    log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta
-) -> None:
+def save_checkpoint(log, step: int, args: Args, policy, value_model, optimizer, beta) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
     exactly (the next step's beta included; not the reference, which resume loads from
     --model-name-or-path, which cannot change)."""
