@@ -64,8 +64,7 @@ class Args:
     # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
     # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    # JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer); overrides
-    # --task
+    # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
@@ -76,9 +75,8 @@ class Args:
     )
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    # reward for the expected format (0 = off): a completion that ends with a number, Countdown's
-    # <answer> block, or with --answer-format think the <think> ... </think> <answer> ... </answer>
-    # shape
+    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or with
+    # --answer-format think the <think> ... </think> <answer> ... </answer> shape
     format_reward: float = 0.0
     # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
     # read the answer block
@@ -139,8 +137,7 @@ class Args:
     lora_rank: Annotated[int, Ge(0)] = 0
     # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
-    # MLP projections)
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (attention and MLP)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
