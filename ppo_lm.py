@@ -70,9 +70,7 @@ class Args:
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
     # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score
-    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
-        default_factory=list
-    )
+    reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or with
