@@ -1,11 +1,10 @@
 """Proximal Policy Optimization (PPO) for language models (RLHF), in one file.
 
-Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031),
-the checklist this file follows (its departures are listed below), and DeepSeekMath (Shao et al.
-2024, arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that GRPO (grpo_lm.py) simplifies.
-Four models: the policy pi_theta (trained), a frozen reference pi_ref (the initial policy), a reward
-(a frozen reward model that scores as its own forward pass pools, or the task's verifiable reward)
-and a value model V_phi (trained).
+Read beside "The N+ Implementation Details of RLHF with PPO" (Huang et al. 2024, arXiv 2403.17031)
+and DeepSeekMath (Shao et al. 2024, arXiv 2402.03300) §4.1, whose eq. 1 and 2 state the PPO that
+GRPO (grpo_lm.py) simplifies. Four models: the policy pi_theta (trained), a frozen reference pi_ref
+(the initial policy), a reward (a frozen reward model, or the task's verifiable reward) and a value
+model V_phi (trained).
 
   r_t      = score * [t = last token] - beta * KL_t,   KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)
                                                                                     (eq. 2; k1)
@@ -15,71 +14,19 @@ and a value model V_phi (trained).
   J(theta) = E[ 1/|o| sum_t min(ratio_t * A_t, clip(ratio_t, 1-eps, 1+eps) * A_t) ]
                                                                            (eq. 1; PPO eq. 7)
   L(phi)   = E[ 1/|o| sum_t 0.5 * max((V_t - R_t)^2, (clip(V_t, V_old,t +- eps_v) - R_t)^2) ]
-  loss     = -J(theta) + vf_coef * L(phi),  run for --num-ppo-epochs x --num-minibatches updates
-             per batch
+  loss     = -J(theta) + vf_coef * L(phi),  --num-ppo-epochs x --num-minibatches updates per batch
 
-Where each step lives (read from the top down to the end of main(); the rest is fenced below it):
-  ALGO LOGIC  completion_mask (the EOS trick), token_log_probs, token_values, per_token_rewards (eq.
-              2), masked_whiten, gae (GAE), ppo_loss (eq. 1 and the clipped value loss),
-              adaptive_kl_coef, float32_lm_head (numerics)
-  main()      input: the policy, the reference (its frozen copy; none with beta = 0), the reward (a
-              reward model or the task's verifiable reward) and the value model; then per step: 1.
-              rollout: one completion per prompt from pi_old, 2. its score, 3. pi_old and pi_ref log
-              probs and V_old, 4. per-token rewards r_t, 5. GAE advantages A_t (whitened) and value
-              targets R_t, 6. --num-ppo-epochs x --num-minibatches updates of the loss, 7. the next
-              step's beta
-  below it    rollout() and score() (steps 1-2) and load_value_model(); then, fenced, each extension
-              (off by default; one line in the loop, tagged with its source): the adaptive KL
-              controller (Ziegler et al. 2019, --adaptive-kl-target); scale-out and speed: the bf16
-              sampler (--fast-generation, --tis-cap), micro-batches, gradient checkpointing,
-              torchrun; last, the run plumbing (validation, resume, metrics, logging, checkpoints)
+Read from the top down to the end of main(): the flags, the math (ALGO LOGIC, torch only), then
+main(), steps 1-7 of a PPO iteration. Below main(): rollout() and score() (steps 1-2), then each
+extension, off by default and one tagged line in the loop (the adaptive KL controller of Ziegler et
+al. 2019; the bf16 sampler and TIS, micro-batches, torchrun), last the run plumbing. The policy loss
+differs from grpo_lm.py's only in where the advantage comes from (GAE on a learned value) and where
+the KL goes (into the reward, per token). Why KL_t is k1, and where this file departs from the N+
+details' code and TRL's PPOTrainer (loss averaged per sequence, the score on the EOS token, no
+learning-rate schedule, gradients clipped per model, ...): docs/ppo_lm.md.
 
-Apart from the value model's clipped loss, the policy loss differs from grpo_lm.py's in two places
-only: where the advantage comes from (GAE on a learned value instead of the group-normalised reward)
-and where the KL goes (into the reward, per token, instead of into the loss).
-
-KL_t is the k1 estimator, and only k1 is offered: as a per-token reward its expected score-function
-gradient is that of KL(pi || pi_ref), so PPO maximises E[score] - beta * KL(pi || pi_ref), whose
-optimum is pi* proportional to pi_ref * exp(score / beta). grpo_lm.py's k3 (DeepSeekMath eq. 4) as a
-reward would follow grad KL(pi || pi_ref) - grad KL(pi_ref || pi) instead: on a bandit it drives pi
-to the best arm faster than no penalty at all (tests/test_ppo_lm.py).
-
-Where this file departs from the N+ details' checklist and from the code that follows it (the N+
-code, github.com/vwxyzjn/summarize_from_feedback_details ppo.py, and TRL's PPOTrainer,
-trl/experimental/ppo):
-- Loss averaging: each sequence's policy and value losses are averaged over its own |o| tokens, then
-  over sequences (DeepSeekMath eq. 1, as grpo_lm.py does). The N+ code and TRL take one mean over
-  all valid tokens of a micro-batch, so there a long completion weighs more than a short one.
-- Score position: the score is added to the reward of the EOS token (the last valid token; the last
-  sampled token when there is no EOS). The N+ code and TRL add it one position later, at
-  sequence_length + 1, the first padding slot after the EOS, whose policy loss is masked but whose
-  value is kept and trained (padding_mask_p1); with GAE their EOS token's advantage then holds gamma
-  * lam * score + gamma * (1 - lam) * V(that slot) where ours holds the score. A completion that
-  fills the whole response length gets the score on its last token in both.
-- No learning-rate schedule: the rate stays constant. The N+ code anneals it linearly to 0 over the
-  run (lrnow = frac * lr); TRL steps the transformers Trainer's scheduler once per batch (linear by
-  default).
-- Gradient clipping per model: the policy's and the value model's gradient norms are each clipped at
-  --max-grad-norm. The N+ code and TRL train policy and value as one module (PolicyAndValueWrapper)
-  under one optimizer, and their PPO loops clip no gradient.
-- AdamW weight decay defaults to 0 (--weight-decay), as in TRL; the N+ code's AdamW keeps torch's
-  0.01.
-- Padding token: the tokenizer's own, or its EOS when it has none; pad == EOS, as for SmolLM2, is
-  allowed. The N+ code adds a distinct [PAD] token. Here the completion mask cuts at the first EOS,
-  so padding never enters a loss, and a reward model is read where its own forward pass pools (the
-  last token that is not the pad token: the one before the EOS when pad == EOS).
-- --missing-eos-penalty P subtracts P >= 0 from the score of a completion without EOS, as TRL's
-  PPOConfig.missing_eos_penalty does; the N+ code replaces that score with -1
-  (penalty_reward_value).
-- The adaptive KL controller's flags are --adaptive-kl-target / --adaptive-kl-horizon (target and
-  horizon in Ziegler et al.'s code), not --target-kl, which in ppo_continuous.py and CleanRL stops
-  an update's epochs early.
-
-Several GPUs (as nanoGPT's train.py): `torchrun --nproc_per_node K ppo_lm.py ...` runs the same
-file; --prompts-per-step stays global, each process samples and trains on its share, whitening and
-the adaptive KL controller use statistics of the global batch, losses are normalised by global
-counts and the policy and value gradients are summed over processes once per update. Only rank 0
-logs, evaluates and saves.
+Under torchrun each process samples and trains on its share of --prompts-per-step; whitening, the KL
+controller and the losses use the global batch; only rank 0 logs, evaluates and saves.
 
 Usage:  python ppo_lm.py          (see --help for every flag)
         torchrun --nproc_per_node 8 ppo_lm.py --prompts-per-step 256
@@ -89,10 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -106,260 +50,186 @@ import tasks
 from common import UsageError, check
 
 
-@dataclass
+@dataclasses.dataclass
 @pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
 class Args:
-    # --- the N+ details' RLHF-PPO: models, task and score, sampling, per-token rewards, GAE, PPO
-    # updates ---
+    # --- the N+ details' RLHF-PPO: models, task and score, sampling, rewards, GAE, PPO updates ---
+
+    # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
-    """policy to train: a local directory or Hub id of a causal LM (default: offline
-    SmolLM2-135M-Instruct)"""
+    # frozen sequence-classification reward model with the policy's tokenizer, read where its own
+    # forward pass pools (default: the task's verifiable reward); the value model starts from it,
+    # else from the policy with a zero head
     reward_model_path: str | None = None
-    """frozen sequence-classification reward model with the policy's tokenizer, read as its own
-    forward pass pools (default: the task's verifiable reward); the value model starts from it when
-    given, else from the policy with a zero head"""
+    # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
+    # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    """built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep'
-    ("Compute (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as
-    TinyZero)"""
+    # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
-    """JSONL file, one question and answer a line (GSM8K's '... #### N' or a plain answer);
-    overrides --task"""
-    prompt_field: str = "question"
-    """--dataset: the field that holds the question"""
-    answer_field: str = "answer"
-    """--dataset: the field that holds the answer"""
-    reward_fn: Annotated[list[str], tyro.conf.UseAppendAction] = dataclasses.field(
-        default_factory=list
-    )
-    """your own reward, path/to/file.py:function with function(completion, example) -> float,
-    repeatable; the spec 'task' is the task's own reward; the weighted sum is the score (default:
-    the task's)"""
+    prompt_field: str = "question"  # --dataset: the field that holds the question
+    answer_field: str = "answer"  # --dataset: the field that holds the answer
+    # your own reward, path/to/file.py:function with function(completion, example) -> float,
+    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score
+    reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
+    # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    """weights of the --reward-fn functions, in order (default: 1 each)"""
+    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or with
+    # --answer-format think the <think> ... </think> <answer> ... </answer> shape
     format_reward: float = 0.0
-    """reward for the expected format (0 = off): a completion that ends with a number, Countdown's
-    <answer> block, or with --answer-format think the whole <think> ... </think> <answer> ...
-    </answer> shape"""
+    # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
+    # read the answer block
     answer_format: Literal["plain", "think"] = "plain"
-    """'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and
-    accuracy read the answer block"""
+    # system message before every question (default: none, or --answer-format think's instructions)
     system_prompt: str | None = None
-    """system message before every question (default: none; with --answer-format think, instructions
-    for that format)"""
+    # the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
+    # see it too
     response_prefix: str = ""
-    """the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
-    see it too"""
+    # subtracted from the score of a completion without EOS, as TRL's missing_eos_penalty (0 = off)
     missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
-    """subtracted from the score of a completion that never emits EOS, as TRL's
-    PPOConfig.missing_eos_penalty (>= 0; 0 = off); the N+ details' code replaces that score with -1
-    instead (penalty_reward_value)"""
+    # PPO iterations: sample a batch, then --num-ppo-epochs x --num-minibatches updates
     total_steps: Annotated[int, Ge(1)] = 30
-    """number of PPO iterations (sample a batch, then --num-ppo-epochs x --num-minibatches
-    updates)"""
+    # questions sampled per step, one completion each (as many completions as grpo_lm's 4 x G=8)
     prompts_per_step: Annotated[int, Ge(1)] = 32
-    """questions sampled per step, one completion each (32 = as many completions as grpo_lm's 4 x
-    G=8)"""
-    max_new_tokens: Annotated[int, Ge(1)] = 64
-    """maximum completion length in tokens"""
+    max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
+    # prompts longer than this many tokens are dropped from the training set
     max_prompt_length: Annotated[int, Ge(1)] = 512
-    """prompts longer than this many tokens are dropped from the training set"""
+    # sampling temperature; log probs use the same logits / temperature
     temperature: Annotated[float, Ge(1e-3)] = 0.7
-    """sampling temperature; log probs use the same logits / temperature"""
+    # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
-    """nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)"""
+    # KL coefficient of the per-token reward -beta * KL_t (0 = no reference model); with
+    # --adaptive-kl-target its initial value (a resumed run continues the controller's beta)
     beta: Annotated[float, Ge(0)] = 0.05
-    """KL coefficient of the per-token KL reward -beta * KL_t (0 = no reference model); with
-    --adaptive-kl-target its initial value (a resumed run continues the controller's saved beta)"""
+    # scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)
     whiten_rewards: bool = False
-    """scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)"""
-    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0
-    """discount over tokens"""
-    lam: Annotated[float, Interval(ge=0, le=1)] = 0.95
-    """GAE lambda"""
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0  # discount over tokens
+    lam: Annotated[float, Interval(ge=0, le=1)] = 0.95  # GAE lambda
+    # AdamW learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    """AdamW learning rate of the policy (the N+ details' 3e-6 barely moves a 135M model in 30
-    steps)"""
+    # AdamW learning rate of the value model (default: --learning-rate)
     value_learning_rate: Annotated[float, Interval(gt=0, lt=1)] | None = None
-    """AdamW learning rate of the value model (default: --learning-rate)"""
-    adam_eps: Annotated[float, Gt(0)] = 1e-5
-    """AdamW epsilon (N+ details)"""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    """AdamW weight decay"""
-    num_ppo_epochs: Annotated[int, Ge(1)] = 4
-    """passes over each sampled batch"""
+    adam_eps: Annotated[float, Gt(0)] = 1e-5  # AdamW epsilon (N+ details)
+    weight_decay: Annotated[float, Ge(0)] = 0.0  # AdamW weight decay
+    num_ppo_epochs: Annotated[int, Ge(1)] = 4  # passes over each sampled batch
+    # optimizer steps per pass; --prompts-per-step must be divisible by it
     num_minibatches: Annotated[int, Ge(1)] = 1
-    """optimizer steps per pass; --prompts-per-step must be divisible by it"""
-    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2
-    """eps of the clipped surrogate"""
+    clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
+    # eps_v: how far the value may move from V_old before its loss is clipped
     clip_range_value: Annotated[float, Gt(0)] = 0.2
-    """eps_v: the value prediction may move at most this far from V_old before its loss is
-    clipped"""
-    vf_coef: Annotated[float, Gt(0)] = 0.1
-    """weight of the value loss"""
+    vf_coef: Annotated[float, Gt(0)] = 0.1  # weight of the value loss
+    # gradient-norm clipping, of the policy and of the value model separately
     max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """gradient-norm clipping, applied to the policy and to the value model separately"""
+
     # --- extension (off by default): the adaptive KL controller of Ziegler et al. 2019 ---
+
+    # adapt beta towards this KL per sequence (nats, summed over tokens); None = fixed beta. Not the
+    # early-stopping --target-kl of ppo_continuous.py and CleanRL: no update stops early here
     adaptive_kl_target: Annotated[float, Gt(0)] | None = None
-    """adapt beta towards this KL per sequence (summed over tokens, nats; Ziegler et al. 2019); None
-    = fixed beta. Not PPO's early-stopping --target-kl of ppo_continuous.py and CleanRL: no update
-    stops early here"""
+    # in sequences: beta *= 1 + clip(KL / target - 1, +-0.2) * N / horizon
     adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
-    """horizon of the adaptive KL controller in sequences: beta *= 1 + clip(KL/target - 1, +-0.2) *
-    N / horizon"""
-    # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters of the policy instead of all
-    # its weights ---
+
+    # --- LoRA (Hu et al. 2021, through peft): low-rank adapters of the policy ---
+
+    # rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
+    # with its adapter disabled; the value model is trained in full
     lora_rank: Annotated[int, Ge(0)] = 0
-    """rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
-    with its adapter disabled; the value model is trained in full"""
+    # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    """LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank"""
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (attention and MLP)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
-    MLP projections)"""
+
     # --- run: experiment, logging, evaluation, checkpoints ---
-    exp_name: str = "ppo_lm"
-    """name of this experiment (part of the run name)"""
+
+    exp_name: str = "ppo_lm"  # name of this experiment (part of the run name)
+    # seed of the prompts, sampling, minibatch order and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
-    """seed of the experiment: prompts, sampling, minibatch order and initialisation all flow from
-    it"""
-    runs_dir: str = "runs"
-    """TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/"""
-    run_name: str | None = None
-    """run directory name (default: {task}__{exp_name}__{seed}__{unix time})"""
+    runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
+    run_name: str | None = None  # run directory name (default: {task}__{exp_name}__{seed}__{time})
+    # greedy held-out accuracy every N steps, at the start and at the end (0 = start and end only)
     eval_every: Annotated[int, Ge(0)] = 10
-    """greedy held-out accuracy every N steps (and at the start and end; 0 = only start and end)"""
+    # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    """held-out questions for greedy accuracy (0 = no evaluation, nothing held out)"""
-    eval_batch_size: Annotated[int, Ge(1)] = 64
-    """questions per greedy generation batch during evaluation"""
-    sample_every: Annotated[int, Ge(0)] = 5
-    """print and log sample completions every N steps (0 = never)"""
-    save_every: Annotated[int, Ge(0)] = 10
-    """write a checkpoint every N steps and at the end (0 = only at the end)"""
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per generate call of the evaluation
+    sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
+    save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
+    # checkpoint.pt to continue from, with its run's flags as defaults (flags given again override
+    # them); the model, the reward model, --eval-size and the run directory cannot change
     resume: str | None = None
-    """checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
-    them (same flags, same results); the model, the reward model, --eval-size and the run directory
-    cannot change"""
-    torch_threads: Annotated[int, Ge(0)] = 0
-    """CPU threads for torch (0 = torch's default)"""
+    torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
+    # no training: the greedy held-out accuracy of the --resume checkpoint or of
+    # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
-    """no training: the greedy held-out accuracy of the --resume checkpoint, or of
-    --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run
-    directory"""
+    # also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline: on disk)
     track: bool = False
-    """also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on
-    disk)"""
-    wandb_project_name: str = "minimal-ppo-grpo"
-    """the wandb project of --track"""
-    wandb_entity: str | None = None
-    """the wandb entity (team or user) of --track; default: yours"""
-    # --- scale-out and speed: devices, several processes (torchrun), micro-batches, the bf16
-    # sampler ---
-    device: str = "auto"
-    """'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'"""
+    wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
+    wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
+
+    # --- scale-out and speed: devices, torchrun, micro-batches, the bf16 sampler ---
+
+    device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
+    # sequences per forward/backward pass; gradients are accumulated over a minibatch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    """sequences per forward/backward pass; gradients are accumulated over a minibatch"""
+    # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
+    # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
-    """prompts per generate call (0 = all of a process's prompts); samples depend only on --seed,
-    the step and the calls' prompts"""
+    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
+    # float32); no-op on CPU
     bf16: bool = True
-    """bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
-    float32); no-op on CPU"""
+    # recompute activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
-    """recompute the policy's and value model's activations in the backward pass: less memory, ~30%
-    slower"""
+    # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
+    # transformers compiles on CUDA
     fast_generation: bool = False
-    """sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache,
-    which transformers compiles on CUDA"""
+    # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
+    # the trained module (--fast-generation, bf16 on CUDA), weight each token's surrogate by
+    # min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
-    """truncated importance sampling: with a sampler other than the trained module
-    (--fast-generation, bf16 on CUDA) weight each token's surrogate by min(pi_old / pi_sampler, C)
-    (Yao et al. 2025; TRL token_truncate); 0 = off"""
 
 
-@dataclass
+@dataclasses.dataclass
 class Batch:
-    """Steps 1-2 of a step, this process's share: N prompts with one completion each (prompts
-    left-padded to P tokens, completions of T tokens at most), and the completions' scores (set by
-    :func:`score`)."""
+    """Steps 1-2 of a step, this process's share: N prompts left-padded to P tokens, one completion
+    of at most T tokens each, and the completions' scores (set by :func:`score`)."""
 
     examples: list[dict]  # the question (and answer) of each prompt
     completions: list[str]  # the decoded completions
-    input_ids: (
-        torch.Tensor
-    )  # (N, P + T) the prompt, then the completion (padding after its first EOS)
+    input_ids: torch.Tensor  # (N, P + T) the prompt, then the completion (padding after its EOS)
     attention_mask: torch.Tensor  # (N, P + T) 1 for real tokens
     prompt_width: int  # P: the completions start at this column
-    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including each completion's first EOS
+    completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
-    sampler_logp: (
-        torch.Tensor | None
-    )  # (N, T) log probs under the sampler when it is not the policy (TIS)
-    score: torch.Tensor | None = (
-        None  # (N,) the reward model's or the task's score, before the EOS penalty
-    )
+    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if it is not the policy
+    score: torch.Tensor | None = None  # (N,) the reward model's or task's, before the EOS penalty
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
-    reward_fns: dict[str, torch.Tensor] = dataclasses.field(
-        default_factory=dict
-    )  # --reward-fn: each one's
+    reward_fns: dict = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
 
 
 # ----------------------------------------------------------------------------------------------
 # ALGO LOGIC: the pieces of RLHF-PPO, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """Mask of the tokens of each completion up to and including its first EOS (the "EOS trick").
-
-    Args:
-        completion_ids: (B, T) sampled token ids; whatever follows the first EOS is padding.
-    Returns:
-        (B, T) float mask, 1 for real completion tokens (the EOS included), 0 after it. Every row
-        starts with 1: a completion has at least one token.
-    """
+    """(B, T) float mask of the (B, T) sampled tokens up to and including each completion's first
+    EOS, 0 on the padding after it (the N+ details' "EOS trick"). Every row starts with 1."""
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # number of EOS strictly before t
     return (eos_before == 0).float()
 
 
 def token_log_probs(
-    model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    num_completion_tokens: int,
-    temperature: float,
-    with_entropy: bool = False,
+    model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False
 ):
-    """Log probs of the last ``T`` tokens of each sequence under ``model`` at ``temperature``.
+    """(B, T) ``log softmax(logits / temperature)`` of the last T tokens of the (B, P + T)
+    left-padded ``input_ids`` (with ``with_entropy`` also the detached (B, T) entropy, logged only).
 
-    Logits are computed only for the completion positions (``logits_to_keep``); position ids count
-    real tokens only, as in generation, so left padding changes nothing. The LM head and the
-    log-softmax run in float32 also under bf16 autocast (:func:`float32_lm_head`).
-
-    Args:
-        input_ids: (B, P + T) left-padded prompt followed by the completion.
-        attention_mask: (B, P + T) 1 for real tokens.
-        num_completion_tokens: T.
-        with_entropy: also return the entropy of ``softmax(logits / temperature)`` (no grad; logged
-        only).
-    Returns:
-        (B, T) ``log softmax(logits / temperature)`` gathered at the sampled tokens, and with
-        ``with_entropy`` a (B, T) entropy as well.
+    Logits exist for the completion positions only; position ids count real tokens only, as in
+    generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     with float32_lm_head(model):
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=num_completion_tokens + 1,
-            use_cache=False,
-        ).logits
-    log_probs = (logits[:, :-1].float() / temperature).log_softmax(
-        -1
-    )  # logits at position j predict token j + 1
-    targets = input_ids[:, -num_completion_tokens:]
-    logp = torch.gather(log_probs, 2, targets.unsqueeze(-1)).squeeze(-1)
+        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits
+    log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # j predicts token j + 1
+    logp = torch.gather(log_probs, 2, input_ids[:, -T:].unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return logp
     with torch.no_grad():
@@ -367,92 +237,42 @@ def token_log_probs(
     return logp, entropy
 
 
-def token_values(
-    value_model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int
-) -> torch.Tensor:
-    """Per-token values V(s_t) of the completion tokens: the scalar head on the backbone's hidden
-    states.
+def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
+    """(B, T) float32 values V(s_t) of the last T tokens of the (B, P + T) ``input_ids``: the
+    ``score`` head of the sequence-classification ``value_model`` on its backbone's hidden states.
 
-    The state s_t before emitting completion token o_t is the prompt and o_<t, whose last token
-    sits at position j = P + t - 1. So V(s_t) is read at the hidden state of position P + t - 1 (the
-    previous token: the last prompt token for t = 0), the same position whose logits give pi(o_t |
-    s_t). V of the state after the last token is never needed: it is terminal, valued 0.
-
-    Args:
-        value_model: a sequence-classification model (a backbone ``base_model`` plus a ``score``
-        head). input_ids, attention_mask: (B, P + T) left-padded prompt followed by the completion.
-        num_completion_tokens: T.
-    Returns:
-        (B, T) float32 values.
+    The state s_t before completion token o_t ends at position P + t - 1, whose logits give
+    pi(o_t | s_t): V(s_t) is read there. The state after the last token is terminal, valued 0.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    hidden = value_model.base_model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    ).last_hidden_state
-    return value_model.score(hidden[:, -num_completion_tokens - 1 : -1]).squeeze(-1).float()
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    hidden = value_model.base_model(**inputs, use_cache=False).last_hidden_state
+    return value_model.score(hidden[:, -T - 1 : -1]).squeeze(-1).float()
 
 
-def per_token_rewards(
-    scores: torch.Tensor,
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    mask: torch.Tensor,
-    beta: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards (DeepSeekMath eq. 2, InstructGPT eq. 2): ``-beta * KL_t``, plus the score
-    on the last token.
+def per_token_rewards(scores, logp, ref_logp, mask, beta: float) -> tuple[torch.Tensor, ...]:
+    """(rewards, kl), both (B, T): ``-beta * KL_t`` on every valid token, plus the (B,) ``scores``
+    on the last valid token (the EOS when there is one), 0 after it (DeepSeekMath eq. 2,
+    InstructGPT eq. 2).
 
-    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)``, the k1 estimator of KL(pi_old || pi_ref):
-    unbiased, may be negative. Used as a reward, its expected score-function gradient is that of
-    KL(pi || pi_ref), so the updates optimise ``E[score] - beta * KL(pi || pi_ref)``; k3 in its
-    place would not (see the module docstring).
-
-    Args:
-        scores: (B,) one score per completion (reward model or verifiable reward, with the
-        missing-EOS penalty). logp, ref_logp: (B, T) log probs of the sampled tokens under pi_old
-        and pi_ref (ref None: no KL). mask: (B, T) 1 for completion tokens up to and including the
-        first EOS (a prefix of ones).
-    Returns:
-        (rewards, kl): both (B, T); the KL term on every valid token, the score only at the last
-        valid token (the EOS when there is one), 0 after it.
+    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)`` from the (B, T) ``logp`` and ``ref_logp``
+    (None: no KL), the k1 estimator: as a reward its expected gradient is that of KL(pi || pi_ref),
+    so PPO optimises ``E[score] - beta * KL(pi || pi_ref)`` (k3 would not: docs/ppo_lm.md).
     """
-    # masked first: whatever the log probs hold after the EOS (even inf) never reaches the rewards
-    kl = (
-        torch.where(mask.bool(), logp - ref_logp, 0.0)
-        if ref_logp is not None
-        else torch.zeros_like(logp)
-    )
+    kl = torch.zeros_like(mask)  # no reference model (beta = 0): no KL
+    if ref_logp is not None:  # masked first: whatever follows the EOS (even inf) never enters
+        kl = torch.where(mask.bool(), logp - ref_logp, 0.0)
     rewards = -beta * kl
     last = mask.sum(1).long().clamp(min=1) - 1  # index of each completion's last valid token
     rewards[torch.arange(len(last)), last] += scores.to(rewards)
     return rewards, kl
 
 
-def masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    shift_mean: bool = True,
-    eps: float = 1e-8,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-) -> torch.Tensor:
-    """``(x - mean) / std`` with mean and (unbiased) std over the valid tokens only; 0 at masked
-    tokens.
-
-    The N+ details whiten the advantages, and optionally the rewards (rescaled only,
-    ``shift_mean=False``).
-
-    Args:
-        x, mask: (B, T).
-        shift_mean: False keeps the mean (reward whitening only rescales).
-        all_reduce: sums a tensor over processes. Default: the identity, for one process. Under
-            ``torchrun`` the loop passes ``common.all_reduce``: mean and std are then those of the
-            valid tokens of every process, so the result does not depend on how the batch is split.
-    Returns:
-        (B, T) whitened ``x``.
-    """
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_reduce=lambda t: t) -> torch.Tensor:
+    """``(x - mean) / std`` of the (B, T) ``x``, mean and unbiased std over the valid tokens only
+    (``shift_mean=False``: the mean is kept), 0 at masked tokens. The N+ details whiten the
+    advantages, and optionally the rewards. ``all_reduce`` sums a tensor over processes (torchrun:
+    ``common.all_reduce``, so the statistics are those of the global batch)."""
     n, total = all_reduce(torch.stack([mask.sum(), (x * mask).sum()]))
     mean = total / n.clamp(min=1)
     var = all_reduce((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
@@ -462,31 +282,20 @@ def masked_whiten(
     return out * mask
 
 
-def gae(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation over tokens (Schulman et al. 2016, eq. 16) and the value
-    targets.
+def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, T) and 0 at masked positions: Generalized Advantage
+    Estimation over tokens (Schulman et al. 2016, eq. 16) from the (B, T) rewards and values.
 
     ``delta_t = r_t + gamma * V(s_t+1) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_t+1``, ``R_t =
-    A_t + V(s_t)``. The state after the last valid token is terminal: its value is 0 and nothing
-    after it counts.
-
-    Args:
-        rewards: (B, T) per-token rewards (0 after the last valid token).
-        values: (B, T) V(s_t) from the value model at sampling time; masked positions are ignored.
-        mask: (B, T) 1 for completion tokens up to and including the first EOS.
-    Returns:
-        (advantages, returns): both (B, T), 0 at masked positions.
+    A_t + V(s_t)``. The state after the last valid token is terminal: valued 0, nothing after it.
     """
     rewards, values = rewards * mask, values * mask
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # terminal: 0
+    deltas = rewards + gamma * next_values - values
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
-    T = rewards.shape[1]
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
+    for t in reversed(range(rewards.shape[1])):
+        running = deltas[:, t] + gamma * lam * running
         advantages[:, t] = running
     advantages = advantages * mask
     return advantages, advantages + values
@@ -507,20 +316,17 @@ def ppo_loss(
     sampler_logp: torch.Tensor | None = None,
     tis_cap: float = 0.0,
 ):
-    """PPO loss of a micro-batch, ``-J(theta) + vf_coef * L(phi)``, for gradient accumulation.
+    """(loss, stats) of a micro-batch: ``-J(theta) + vf_coef * L(phi)`` and detached sums (divide by
+    ``tokens``) and extremes for logging.
 
     Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7); value:
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (N+ details). Both are
     averaged over each sequence's ``|o|`` tokens (as grpo_lm.py does), summed and divided by the
-    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. The
-    log ratio is masked before ``exp``. TIS (Yao et al. 2025; TRL's ``token_truncate``), ``tis_cap >
-    0``: each token's surrogate is weighted by the detached ``min(pi_old / pi_sampler, tis_cap)``.
-    Args:
-        logp, old_logp, advantages, returns: (b, T) log probs under the policy (with grad) and
-            pi_old, whitened GAE advantages, the GAE value targets; values, old_values: (b, T)
-            V_phi(s_t) (with grad) and at sampling time; mask: (b, T) 1 up to the first EOS.
-        sampler_logp: (b, T) log probs under the sampler, or None.
-    Returns: (loss, stats): the scalar loss and detached sums (divide by ``tokens``) and extremes.
+    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. TIS
+    (Yao et al. 2025; TRL's ``token_truncate``), ``tis_cap > 0``: each token's surrogate is weighted
+    by the detached ``min(pi_old / pi_sampler, tis_cap)``. All tensors are (b, T): ``logp`` and
+    ``values`` with grad, the others from sampling time, ``advantages`` whitened; ``mask`` 1 up to
+    the first EOS.
     """
     valid = mask.bool()
     log_ratio = torch.where(valid, logp - old_logp, 0.0)  # before exp(): no inf * 0 after the EOS
@@ -542,33 +348,19 @@ def ppo_loss(
     with torch.no_grad():
         clipped = (advantages > 0) & (ratio > 1 + clip_range)  # where the clip takes the gradient
         clipped |= (advantages < 0) & (ratio < 1 - clip_range)
-        one = ratio.new_tensor(1.0)
         stats = dict(policy_loss=policy_loss.detach(), value_loss=value_loss.detach())
         stats["tokens"], stats["clipped"] = mask.sum(), (clipped.float() * mask).sum()
         stats["value_clipped"] = ((value_losses_clipped > value_losses).float() * mask).sum()
-        # approx_kl: k3 of KL(pi_old || pi_theta)
-        stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()
-        stats["ratio_min"] = ratio[valid].min() if valid.any() else one
-        stats["ratio_max"] = ratio[valid].max() if valid.any() else one
+        stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()  # k3 of KL(pi_old || pi)
+        ratio_valid = ratio[valid] if valid.any() else ratio.new_ones(1)  # none valid: 1
+        stats["ratio_min"], stats["ratio_max"] = ratio_valid.min(), ratio_valid.max()
     return loss, stats
 
 
-def adaptive_kl_coef(
-    beta: float, kl: float, target: float, num_sequences: int, horizon: int
-) -> float:
-    """Adaptive KL controller (Ziegler et al. 2019 §2.2, as in their lm-human-preferences code): the
-    next beta.
-
-    ``beta <- beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences / horizon)``. It moves
-    the KL coefficient of the reward; it never stops an update early (that is --target-kl in
-    ppo_continuous.py).
-
-    Args:
-        beta: the current KL coefficient.
-        kl: the batch's mean KL per sequence (per-token KL summed over the completion, nats).
-        target: the KL per sequence to steer towards (--adaptive-kl-target), > 0.
-        num_sequences: sequences in the batch; horizon: --adaptive-kl-horizon, in sequences.
-    """
+def adaptive_kl_coef(beta, kl: float, target: float, num_sequences: int, horizon: int) -> float:
+    """The next beta of the adaptive KL controller (Ziegler et al. 2019 §2.2, their
+    lm-human-preferences code): ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences /
+    horizon)``, ``kl`` the batch's mean KL per sequence (nats). It never stops an update early."""
     error = min(max(kl / target - 1, -0.2), 0.2)
     return beta * (1 + error * num_sequences / horizon)
 
@@ -577,13 +369,11 @@ def adaptive_kl_coef(
 def float32_lm_head(model):
     """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
 
-    The body may run in bf16; logits rounded to bf16 (8 mantissa bits) would put a rounding floor
-    under every log prob that enters the loss: on a policy a hair away from its reference, the k3 KL
-    read ~1.5e-3 per token against a true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward
-    runs on the hidden states cast to float32 with autocast off, so a LoRA adapter on the head
-    (``--lora-target-modules lm_head``) acts too; the head's weights are float32
-    (``common.load_model`` loads them so) and are neither copied nor cast. Without autocast it is
-    the head's usual forward, so the numbers do not change.
+    Logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every log prob of the
+    loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per token against a
+    true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on float32 hidden states
+    with autocast off, so a LoRA adapter on the head acts too; its weights are float32
+    (``common.load_model``) and are not copied. Without autocast the numbers do not change.
     """
     head = model.get_output_embeddings()
     own_forward, patched = head.forward, "forward" in vars(head)
@@ -606,15 +396,13 @@ def float32_lm_head(model):
 # RLHF-PPO, the N+ details' training loop
 # ----------------------------------------------------------------------------------------------
 def main(args: Args, task: tasks.Task | None = None) -> dict:
-    """Train with PPO; returns the per-step history of logged scalars (a dict of lists).
-
-    ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
-    Under ``torchrun`` every process runs this function on its share of the batch; the returned
-    history holds the global values on every rank.
+    """Train with PPO; returns the per-step history of logged scalars (a dict of lists; under
+    torchrun, where each process runs this on its share of the batch, the global values on every
+    rank). ``task`` replaces the built-in task: any :class:`tasks.Task`, e.g. with your own reward.
     """
     # A bad flag, checkpoint, run directory, dataset or reward file fails here, before any load
     validate(args)
-    checkpoint = resume_checkpoint(args)
+    checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)  # --resume's, checked; else None
     run_dir = common.make_run_dir(args)
     task = task or tasks.task_of(args)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
@@ -631,19 +419,16 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     # policy). Every process loads the same weights: they stay equal (same all-reduced gradients).
     policy = common.load_policy(args, device)
     reference = common.load_reference(policy, args, device)  # LoRA: the adapter disabled
-    reward_model = load_reward_model(args, tokenizer, device)
-    value_model = load_value_model(args, tokenizer, device)
-    optimizer = make_optimizer(policy, value_model, args, device)
-    policy_params, value_params = (group["params"] for group in optimizer.param_groups)
+    reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
+    policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    value_params = list(value_model.parameters())
+    groups = [{"params": policy_params}, {"params": value_params}]
+    optimizer = torch.optim.AdamW(groups, fused=device.type == "cuda")  # lr, eps...: restore()
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
-    bar = {
-        "reward": "reward/mean",
-        "kl": "loss/kl",
-        "vloss": "loss/value",
-        "len": "completion/length_mean",
-    }
+    bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
-    sampler = make_sampler(policy, tokenizer, questions, args, rank, world)  # --fast-generation
+    sampling_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
+    sampler = Sampler(sampling_model, options, tokenizer, questions, rank, world)  # bf16: a copy
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -653,8 +438,9 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
-    temperature, eps, eps_v = args.temperature, args.clip_range, args.clip_range_value
-    micro_batch_size, tis_cap = args.micro_batch_size, args.tis_cap
+    # ppo_loss's eps, eps_v, value-loss weight and sequences per minibatch (of every process)
+    constants = (args.clip_range, args.clip_range_value, args.vf_coef, minibatch_size * world)
+    temperature, micro_batch_size = args.temperature, args.micro_batch_size
     for step in log.progress(start_step, args.total_steps):
         t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # for non-finite errors
         # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
@@ -671,7 +457,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         ref_logp = torch.zeros_like(mask) if reference is not None else None
         everyone = torch.arange(N, device=device)
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            for idx, ids, att, t in make_micro_batches(everyone, batch, args.micro_batch_size):
+            for idx, ids, att, t in make_micro_batches(everyone, batch, micro_batch_size):
                 old_logp[idx, :t] = token_log_probs(policy, ids, att, t, temperature)
                 old_values[idx, :t] = token_values(value_model, ids, att, t)
                 if reference is not None:
@@ -687,38 +473,24 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # every process
 
         # ---- 6. PPO updates: --num-ppo-epochs passes, --num-minibatches optimizer steps each ----
-        totals, t2 = new_totals(), time.time()
+        stats, t2 = [], time.time()  # ppo_loss's stats of each micro-batch, norms of each update
         for _ in range(args.num_ppo_epochs):
-            perm = torch.randperm(N, device=device)  # a new split into minibatches every epoch
-            for start in range(0, N, minibatch_size):
+            for minibatch in torch.randperm(N, device=device).split(minibatch_size):  # new split
                 optimizer.zero_grad(set_to_none=True)
-                minibatch = perm[start : start + minibatch_size]
                 with common.train_mode((policy, value_model), args.gradient_checkpointing):
                     for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
                         with common.bf16_autocast(device, args.bf16):
                             logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
                             values = token_values(value_model, ids, att, t)
-                        old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
-                        adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
+                        old = (old_logp, advantages, old_values, returns, mask)
+                        old_lp, adv, old_v, ret, m = (x[idx, :t] for x in old)
                         tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
-                        loss, stats = ppo_loss(
-                            logp,
-                            old_lp,
-                            adv,
-                            values,
-                            old_v,
-                            ret,
-                            m,
-                            eps,
-                            eps_v,
-                            args.vf_coef,
-                            minibatch_size * world,
-                            tis,
-                            tis_cap,
+                        loss, micro_stats = ppo_loss(
+                            logp, old_lp, adv, values, old_v, ret, m, *constants, tis, args.tis_cap
                         )
                         common.check_finite_update(*where, loss=loss)
                         loss.backward()
-                        accumulate(totals, {**stats, "entropy": (entropy * m).sum()})
+                        stats.append({**micro_stats, "entropy": (entropy * m).sum()})
                 common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
@@ -727,18 +499,14 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                 )
                 optimizer.step()
                 common.check_finite_parameters(policy_params + value_params, *where)
-                norms = {"grad_norm": grad_norm, "value_grad_norm": value_grad_norm, "updates": 1}
-                accumulate(totals, norms)
+                stats.append({"grad_norm": grad_norm, "value_grad_norm": value_grad_norm})
 
         # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
         beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
         tensors, times = (old_logp, old_values, returns), (t0, gen_time, t2)
-        metrics = step_metrics(
-            args, batch, scores, kl, beta_used, tensors, totals, optimizer, times
-        )
-        log(step + 1, metrics)
+        log(step + 1, step_metrics(args, batch, scores, kl, beta_used, tensors, stats, times))
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
@@ -751,34 +519,27 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the value
-# model's start
+# The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the
+# reward and value models
 # ----------------------------------------------------------------------------------------------
 def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     """Step 1: this process's N prompts of the step and one completion of each from pi_old, the
-    current policy.
+    current policy (or its bf16 copy, first given the policy's current weights); scores unset.
 
     The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)``
-    (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each after
-    reseeding torch from ``(--seed, step, global index of the call's first prompt)``: samples do not
-    depend on the number of processes. Each completion ends at its first EOS and is padded after it
-    (the N+ details' EOS trick, :func:`completion_mask`). The sampler is the policy itself, or with
-    --fast-generation its bf16 copy, which first gets the policy's current weights
-    (:func:`make_sampler`).
+    (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each reseeded
+    from ``(--seed, step, global index of its first prompt)``: samples do not depend on the number
+    of processes. Each completion is padded after its first EOS (:func:`completion_mask`).
 
-    Returns:
-        the step's :class:`Batch`, its scores still unset (step 2, :func:`score`).
     Raises:
         UsageError: the sampling probabilities are not finite (diverged weights).
     """
-    common.refresh_sampler(
-        sampler.model, policy
-    )  # --fast-generation: the bf16 copy gets the policy's weights
+    common.refresh_sampler(sampler.model, policy)  # --fast-generation: the policy's weights
     tokenizer, N = sampler.tokenizer, args.prompts_per_step // sampler.world
+    pad = tokenizer.pad_token_id
     first = sampler.rank * N  # global index of this process's first prompt
-    picks = np.random.default_rng([args.seed, step]).choice(
-        len(sampler.questions), args.prompts_per_step, replace=False
-    )
+    rng = np.random.default_rng([args.seed, step])
+    picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
     examples = [sampler.questions[i] for i in picks[first : first + N]]
     style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *style)
@@ -786,16 +547,14 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     rows, row_logps = common.generate_completions(
         sampler.model, prompts, 1, tokenizer, device, **seeds, **sampler.options
     )
-    prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id, device)
+    prompt_ids, prompt_mask = common.pad_left(prompts, pad, device)
     T = max(len(r) for r in rows)
-    completion_ids = torch.tensor(
-        [r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows], device=device
-    )
+    completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     sampler_logp = None
     if sampler.options["record"]:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
-    completion_ids = torch.where(mask.bool(), completion_ids, tokenizer.pad_token_id)
+    completion_ids = torch.where(mask.bool(), completion_ids, pad)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
@@ -805,162 +564,93 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
 
 
 def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> Batch:
-    """Step 2: one score per completion, before the missing-EOS penalty: the frozen reward model's,
-    read where its own forward pass pools (--reward-model-path), or else the task's verifiable
-    reward.
+    """Step 2: ``batch.score``, (N,) on the CPU, before the missing-EOS penalty: the frozen reward
+    model's, read where its own forward pass pools, or else the task's reward (with --reward-fn
+    each function's own rewards too, in ``reward_fns``); and ``correct``, the final answer is right.
+    The reward functions read --response-prefix + completion.
 
-    Returns:
-        (N,) ``score`` and ``correct`` (1 for a right final answer), on the CPU, and ``reward_fns``:
-        with --reward-fn, each function's own (N,) rewards by name. The reward functions read
-        --response-prefix + completion.
     Raises:
-        UsageError: the reward function raises or returns a non-finite value.
+        UsageError: a reward function raises or returns a non-finite value.
     """
-    examples = batch.examples
-    responses = [
-        args.response_prefix + c for c in batch.completions
-    ]  # what the reward functions read
-    each = {}
+    responses = [args.response_prefix + c for c in batch.completions]
     if reward_model is not None:
-        scores = common.score_with_reward_model(
-            reward_model,
-            batch.input_ids,
-            batch.attention_mask,
-            args.micro_batch_size,
-            device,
-            args.bf16,
-        )
+        inputs = batch.input_ids, batch.attention_mask, args.micro_batch_size, device, args.bf16
+        batch.score = common.score_with_reward_model(reward_model, *inputs)
     else:
-        scores, each = tasks.score_task(
-            task, responses, examples
-        )  # --reward-fn: each function's own rewards too
-    batch.score, batch.correct, batch.reward_fns = (
-        scores,
-        tasks.score_correct(task, responses, examples),
-        each,
-    )
+        batch.score, batch.reward_fns = tasks.score_task(task, responses, batch.examples)
+    batch.correct = tasks.score_correct(task, responses, batch.examples)
     return batch
 
 
-def load_value_model(args: Args, tokenizer, device):
-    """The value model V_phi: a backbone with a scalar head ('score'), from the reward model (N+
-    details) or else from the policy, whose new head is zero-initialised so that every initial value
-    is 0 rather than noise.
+def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, Any]:
+    """The frozen reward model of --reward-model-path (None without it) and the value model V_phi,
+    a backbone with a scalar head ('score'): from the reward model (N+ details), or else from the
+    policy with its new head zeroed, so that every initial value is 0 rather than noise.
 
     Raises:
-        UsageError: the model cannot take a value head, or its vocabulary does not fit the
-        tokenizer.
+        UsageError: a model that cannot take a value head, or whose vocabulary does not fit the
+            tokenizer.
     """
-    value_source, value_flag = (
-        (args.reward_model_path, "--reward-model-path")
-        if args.reward_model_path
-        else (args.model_name_or_path, "--model-name-or-path")
-    )
-    value_model = common.load_model(
-        value_source, kind="reward", device=device, flag=value_flag
-    ).eval()
-    check(
-        hasattr(value_model, "score"),
-        f"{value_flag}: cannot attach a value head ('score') to {value_source}",
-    )
-    common.check_vocabulary(value_model, tokenizer, value_flag)
-    if not args.reward_model_path:
-        with torch.no_grad():
-            for p in value_model.score.parameters():
-                p.zero_()
-    if (
-        args.gradient_checkpointing
-    ):  # HF checkpoints only in train mode: the updates switch .train() on
+    reward_model, path, flag = None, args.model_name_or_path, "--model-name-or-path"
+    if args.reward_model_path is not None:
+        path, flag = args.reward_model_path, "--reward-model-path"
+        reward_model = common.load_reward_model(path, tokenizer, device)
+        reward_model.eval().requires_grad_(False)  # frozen
+    value_model = common.load_model(path, kind="reward", device=device, flag=flag).eval()
+    check(hasattr(value_model, "score"), f"{flag}: cannot attach a value head ('score') to {path}")
+    common.check_vocabulary(value_model, tokenizer, flag)
+    if reward_model is None:
+        for p in value_model.score.parameters():
+            torch.nn.init.zeros_(p)
+    if args.gradient_checkpointing:  # HF checkpoints in train mode only: the updates switch it on
         common.enable_gradient_checkpointing(value_model)
-    return value_model
+    return reward_model, value_model
 
 
 # ----------------------------------------------------------------------------------------------
 # Extension (off by default): the adaptive KL controller of Ziegler et al. 2019
 # ----------------------------------------------------------------------------------------------
 def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
-    """Step 7: the next step's KL coefficient. Fixed without --adaptive-kl-target; with it, moved
-    towards the target by :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch
-    (Ziegler et al. 2019 §2.2).
-
-    Args:
-        beta: this step's coefficient; kl: (N, T) this process's per-token KL_t (0 after the EOS).
-    """
+    """Step 7: the next step's KL coefficient: ``beta`` without --adaptive-kl-target, else moved by
+    :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch (``kl``: this
+    process's (N, T) KL_t, 0 after the EOS)."""
     if args.adaptive_kl_target is None:
         return beta
-    kl_per_sequence = (
-        common.all_reduce(kl.sum()).item() / args.prompts_per_step
-    )  # torchrun: every process's sequences
-    return adaptive_kl_coef(
-        beta,
-        kl_per_sequence,
-        args.adaptive_kl_target,
-        args.prompts_per_step,
-        args.adaptive_kl_horizon,
-    )
+    kl_per_sequence = common.all_reduce(kl.sum()).item() / args.prompts_per_step  # all processes'
+    target, horizon = args.adaptive_kl_target, args.adaptive_kl_horizon
+    return adaptive_kl_coef(beta, kl_per_sequence, target, args.prompts_per_step, horizon)
 
 
 # ----------------------------------------------------------------------------------------------
-# Scale-out and speed: the bf16 sampler, micro-batches, gradient checkpointing, torchrun
+# Scale-out and speed: the bf16 sampler, micro-batches (torchrun: common.py)
 # ----------------------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class Sampler:
-    """What step 1 samples with, made once by :func:`make_sampler`."""
+    """What step 1 samples with (``common.sampler_for``): the policy itself, or with
+    --fast-generation its bfloat16 copy with a static KV cache, which transformers compiles on CUDA,
+    refreshed in place before every rollout. Log probs for the loss always come from the policy, so
+    a bf16 sampler draws from a slightly different distribution than the ratio and the KL assume:
+    the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it."""
 
-    model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
-    # common.generate_completions' options (temperature, top-p, lengths, ...); its "record": keep
-    # the sampler's own log probs (it is not the trained module, or runs in bf16)
-    options: dict
+    model: Any  # what generates: the policy, or its bfloat16 copy
+    options: dict  # common.generate_completions' options; "record": keep the sampler's log probs
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    rank: (
-        int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of each step
-    )
+    rank: int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of a step
     world: int
 
 
-def make_sampler(
-    policy, tokenizer, questions: list[dict], args: Args, rank: int, world: int
-) -> Sampler:
-    """The sampler of step 1: the policy itself, or with --fast-generation a bfloat16 copy of it
-    with a static KV cache, which transformers compiles on CUDA, refreshed in place before every
-    rollout (so the compiled CUDA graphs stay valid). Log probs for the loss always come from the
-    policy (float32 weights and LM head), so a bf16 sampler draws from a slightly different
-    distribution than the ratio and the KL assume: the gap is logged every step
-    (sampling/logp_diff_*) and --tis-cap corrects it."""
-    model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
-    return Sampler(model, options, tokenizer, questions, rank, world)
-
-
-def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int) -> list:
-    """Split ``indices`` into micro-batches of similar completion length, each trimmed of the
-    padding it does not need (left of its longest prompt, right of its longest completion). The
-    losses are sums over sequences, so the grouping changes no result, only the time spent on
-    padding.
-
-    Args:
-        batch: the step's rollout (:func:`rollout`): ``input_ids``, ``attention_mask``, ``mask`` and
-        ``P``.
-    Returns:
-        [(idx, input_ids (b, p + t), attention_mask (b, p + t), t)]: completions occupy the last t
-        columns.
-    """
-    input_ids, attention_mask, mask, P = (
-        batch.input_ids,
-        batch.attention_mask,
-        batch.completion_mask,
-        batch.prompt_width,
-    )
+def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int):
+    """``indices`` in micro-batches of ``size`` sequences of similar completion length, each
+    (idx, input_ids, attention_mask, t) trimmed of the padding it does not need (left of its longest
+    prompt, right of its longest completion: the completions fill the last t columns). The losses
+    are sums over sequences, so the grouping changes no result, only the time spent on padding."""
+    mask, P = batch.completion_mask, batch.prompt_width
     order = indices[torch.argsort(mask[indices].sum(1), descending=True, stable=True)]
-    batches = []
-    for i in range(0, len(order), size):
-        idx = order[i : i + size]
-        first = int(
-            attention_mask[idx, :P].any(0).float().argmax()
-        )  # first column with a real token
+    for idx in order.split(size):
+        first = int(batch.attention_mask[idx, :P].any(0).float().argmax())  # first real column
         t = int(mask[idx].sum(1).max())
-        batches.append((idx, input_ids[idx, first : P + t], attention_mask[idx, first : P + t], t))
-    return batches
+        yield idx, batch.input_ids[idx, first : P + t], batch.attention_mask[idx, first : P + t], t
 
 
 # ----------------------------------------------------------------------------------------------
@@ -976,180 +666,77 @@ FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA
 }
 # what to check after a non-finite update
 HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"
+# ppo_loss's sums, added over the micro-batches of a step
+SUMMED = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy")
 
 
 def validate(args: Args) -> None:
-    """One-line errors for flag values that cannot work, before anything loads: each flag's own
-    constraint (beside it in ``Args``) and the rules both LM scripts share
-    (:func:`common.check_lm_flags`), then PPO's rules.
-
-    Raises:
-        UsageError: naming the flag and what it expects.
-    """
+    """One-line errors (:class:`UsageError`, naming the flag) for flag values that cannot work,
+    before anything loads: each flag's own constraint and the rules both LM scripts share
+    (``common.check_lm_flags``, ``tasks.check_task_flags``), then PPO's."""
     common.check_lm_flags(args)
-    tasks.check_task_flags(
-        args.format_reward,
-        args.reward_fn,
-        args.reward_weights,
-        args.prompt_field,
-        args.answer_field,
-        args.system_prompt,
-        args.response_prefix,
-    )
-    world = common.world_size()
-    check(
-        args.prompts_per_step % args.num_minibatches == 0,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by --num-minibatches "
-        f"{args.num_minibatches}",
-    )
-    check(
-        args.adaptive_kl_target is None or args.beta > 0,
-        "--adaptive-kl-target needs --beta > 0 (the controller scales beta)",
-    )
-    check(
-        args.prompts_per_step % world == 0,
-        f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-        f"world size {world} (the number of torchrun processes)",
-    )
-    check(
-        args.prompts_per_step // world % args.num_minibatches == 0,
-        f"--prompts-per-step {args.prompts_per_step} / "
-        f"world size {world} = {args.prompts_per_step // world} prompts per process must be "
-        "divisible by "
-        f"--num-minibatches {args.num_minibatches}",
-    )
+    prompt_flags = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
+    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, *prompt_flags)
+    prompts, world, minibatches = args.prompts_per_step, common.world_size(), args.num_minibatches
+    divisible = f"must be divisible by --num-minibatches {minibatches}"
+    check(prompts % minibatches == 0, f"--prompts-per-step {prompts} {divisible}")
+    needs_beta = "--adaptive-kl-target needs --beta > 0 (the controller scales beta)"
+    check(args.adaptive_kl_target is None or args.beta > 0, needs_beta)
+    processes = f"the world size {world} (the number of torchrun processes)"
+    check(prompts % world == 0, f"--prompts-per-step {prompts} must be divisible by {processes}")
+    per_process = f"--prompts-per-step {prompts} / world size {world} = {prompts // world}"
+    check(prompts // world % minibatches == 0, f"{per_process} prompts per process {divisible}")
 
 
-def load_reward_model(args: Args, tokenizer, device):
-    """The frozen reward model of --reward-model-path (:func:`common.load_reward_model`), or
-    None."""
-    if args.reward_model_path is None:
-        return None
-    return (
-        common.load_reward_model(args.reward_model_path, tokenizer, device)
-        .eval()
-        .requires_grad_(False)
-    )
-
-
-def make_optimizer(policy, value_model, args: Args, device) -> torch.optim.AdamW:
-    """One AdamW over two parameter groups, the policy's trained weights (--learning-rate) and the
-    value model's (--value-learning-rate), with the N+ details' epsilon (--adam-eps); fused on CUDA
-    (one kernel, the same math)."""
-    policy_group = {
-        "params": [p for p in policy.parameters() if p.requires_grad],
-        "lr": args.learning_rate,
-    }
-    value_group = {
-        "params": list(value_model.parameters()),
-        "lr": args.value_learning_rate or args.learning_rate,
-    }
-    return torch.optim.AdamW(
-        [policy_group, value_group],
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
-
-
-def resume_checkpoint(args: Args) -> dict | None:
-    """The --resume checkpoint (memory-mapped), checked before anything loads by
-    :func:`common.resume_checkpoint`: this script's, with the flags that cannot change unchanged
-    (``FROZEN``), steps left to train and no NaN or inf; None without --resume. A run saved with a
-    flag this file no longer has (--kl-estimator, --target-kl) cannot be resumed.
-
-    Raises:
-        UsageError: a missing, unreadable, other script's or diverged checkpoint, a flag that
-            cannot change, or a run that already reached --total-steps.
-    """
-    return common.resume_checkpoint(args, SCRIPT, FROZEN)
-
-
-def restore(
-    checkpoint: dict | None, args: Args, policy, value_model, optimizer
-) -> tuple[int, float]:
-    """Load a checkpoint's weights and optimizer state; returns the step it was written at and the
-    KL coefficient of the next step: with --adaptive-kl-target the controller's saved value, else
-    --beta (given again, it takes effect). The flags given now set the optimizer's hyperparameters
-    (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay take effect on resume).
+def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer):
+    """Start or resume: the optimizer's hyperparameters from the flags (--learning-rate,
+    --value-learning-rate, --adam-eps, --weight-decay; on resume too, after the checkpoint's
+    weights and optimizer state are loaded). Returns the step to start from and its KL coefficient:
+    with --adaptive-kl-target on resume the controller's saved value, else --beta.
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
     """
-    if checkpoint is None:
-        return 0, args.beta
-    try:
-        common.load_trained_weights(policy, checkpoint["policy"])
-        value_model.load_state_dict(checkpoint["value_model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(
-            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-            f"({type(e).__name__}: {common.first_line(e)[:200]})"
-        ) from None
+    if checkpoint is not None:
+        try:
+            common.load_trained_weights(policy, checkpoint["policy"])
+            value_model.load_state_dict(checkpoint["value_model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise UsageError(
+                f"--resume: {args.resume} does not fit {args.model_name_or_path} "
+                f"({type(e).__name__}: {common.first_line(e)[:200]})"
+            ) from None
     lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    return checkpoint["step"], checkpoint[
-        "kl_coef"
-    ] if args.adaptive_kl_target is not None else args.beta
+    if checkpoint is None:
+        return 0, args.beta
+    return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target else args.beta
 
 
-def new_totals() -> dict:
-    """Sums and extremes of a step's statistics, filled by :func:`accumulate`: per micro-batch those
-    of :func:`ppo_loss` and the entropy, per update the gradient norms and the update count."""
-    totals = {
-        k: 0.0
-        for k in (
-            "policy_loss",
-            "value_loss",
-            "tokens",
-            "clipped",
-            "value_clipped",
-            "approx_kl",
-            "entropy",
-            "grad_norm",
-            "value_grad_norm",
-            "updates",
-        )
-    }
-    return {**totals, "ratio_min": math.inf, "ratio_max": -math.inf}
-
-
-def accumulate(totals: dict, stats: dict) -> None:
-    """Add ``stats`` (tensors or numbers) to ``totals``: the ratio's extremes are kept, everything
-    else summed."""
-    for key, value in stats.items():
-        if key == "ratio_min":
-            totals[key] = min(totals[key], float(value))
-        elif key == "ratio_max":
-            totals[key] = max(totals[key], float(value))
-        else:
-            totals[key] += float(value)
-
-
-def step_metrics(
-    args, batch: Batch, scores, kl, beta: float, tensors, totals: dict, optimizer, times
-):
+def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: list, times) -> dict:
     """A step's logged scalars over the global batch (gathered from every process): ``reward/mean``
     is the score before the missing-EOS penalty, ``reward/score`` after it, ``reward/non_score`` the
-    summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every
-    micro-batch. ``tensors``: (N, T) old log probs, old values and returns; ``times``: the step's
-    start, step 1's seconds and step 6's start."""
+    summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every micro-batch.
+    ``tensors``: (N, T) old log probs, old values and returns; ``stats``: :func:`ppo_loss`'s of each
+    micro-batch and each update's gradient norms; ``times``: the step's start, step 1's seconds and
+    step 6's start."""
     old_logp, old_values, returns = tensors
     mask = batch.completion_mask
-    valid = mask.bool()
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
     rewards_task, correct, scores, non_score, lengths, truncated = (
         common.all_gather(x.float().cpu())
         for x in (batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated)
     )
-    summed = ["policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl"]
-    summed.append("entropy")
-    sums = common.all_reduce(torch.tensor([totals[k] for k in summed])).tolist()
-    totals = {**totals, **dict(zip(summed, sums, strict=True))}
-    tokens, num_updates = max(totals["tokens"], 1), totals["updates"]
+    micro = [s for s in stats if "tokens" in s]  # ppo_loss's stats of each micro-batch
+    updates = [s for s in stats if "grad_norm" in s]  # the gradient norms of each update
+    sums = torch.tensor([sum(float(s[k]) for s in micro) for k in SUMMED])
+    totals = dict(zip(SUMMED, common.all_reduce(sums).tolist(), strict=True))
+    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in micro))
+    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in micro))
+    tokens, num_updates = max(totals["tokens"], 1), len(updates)
     (t0, gen_time, t2), now = times, time.time()
     return {
         "reward/mean": rewards_task.mean().item(),
@@ -1165,16 +752,16 @@ def step_metrics(
         "loss/value_clip_fraction": totals["value_clipped"] / tokens,
         "loss/approx_kl": totals["approx_kl"] / tokens,
         "loss/entropy": totals["entropy"] / tokens,
-        "loss/ratio_min": common.all_reduce(torch.tensor(totals["ratio_min"]), "min").item(),
-        "loss/ratio_max": common.all_reduce(torch.tensor(totals["ratio_max"]), "max").item(),
+        "loss/ratio_min": common.all_reduce(ratio_min, "min").item(),
+        "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "kl/sequence_mean": kl_sum / args.prompts_per_step,
         "kl/beta": beta,
-        **value_metrics(old_values, returns, valid),
+        **value_metrics(old_values, returns, mask.bool()),
         "completion/length_mean": lengths.float().mean().item(),
         "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": totals["grad_norm"] / num_updates,
-        "optim/value_grad_norm": totals["value_grad_norm"] / num_updates,
-        "optim/learning_rate": optimizer.param_groups[0]["lr"],
+        "optim/grad_norm": sum(float(s["grad_norm"]) for s in updates) / num_updates,
+        "optim/value_grad_norm": sum(float(s["value_grad_norm"]) for s in updates) / num_updates,
+        "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": now - t0 - gen_time,
         "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs,
@@ -1182,25 +769,19 @@ def step_metrics(
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
         **common.peak_memory_gb(kl.device),
         **common.reward_fn_means(batch.reward_fns),
-    } | (
-        sampler_mismatch(old_logp, batch.sampler_logp, mask)
-        if batch.sampler_logp is not None
-        else {}
-    )
+        **sampler_mismatch(old_logp, batch.sampler_logp, mask),
+    }
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
-    returns_all, values_all = (
-        torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values)
-    )
+    gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
+    returns_all, values_all = gathered
     var_returns = returns_all.var()
-    explained = (
-        (1 - (returns_all - values_all).var() / var_returns).item()
-        if var_returns > 0
-        else float("nan")
-    )
+    explained = float("nan")
+    if var_returns > 0:
+        explained = (1 - (returns_all - values_all).var() / var_returns).item()
     return {
         "value/mean": values_all.mean().item(),
         "value/returns_mean": returns_all.mean().item(),
@@ -1208,15 +789,14 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tens
     }
 
 
-def sampler_mismatch(
-    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
+def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
     """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens
     of every process, logged whenever the sampler is not the trained module (the bf16 copy, bf16
-    autocast)."""
-    diff = torch.where(
-        mask.bool(), (old_logp - sampler_logp).abs(), 0.0
-    )  # -inf past the EOS with --top-p < 1
+    autocast; ``sampler_logp`` None otherwise: nothing)."""
+    if sampler_logp is None:
+        return {}
+    # -inf past the EOS with --top-p < 1
+    diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
     return {
         "sampling/logp_diff_mean": total / max(tokens, 1),
@@ -1224,40 +804,31 @@ def sampler_mismatch(
     }
 
 
-def save_checkpoint(
-    log: common.RunLog, step: int, args: Args, policy, value_model, optimizer, beta: float
-) -> None:
+def save_checkpoint(log, step: int, args: Args, policy, value_model, optimizer, beta) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
-    exactly (the next step's KL coefficient included; not the reference, which never changes: resume
-    loads it from --model-name-or-path, which cannot change)."""
-    if not (
-        log.is_main
-        and ((args.save_every and step % args.save_every == 0) or step == args.total_steps)
-    ):
+    exactly (the next step's beta included; not the reference, which resume loads from
+    --model-name-or-path, which cannot change)."""
+    due = (args.save_every and step % args.save_every == 0) or step == args.total_steps
+    if not (log.is_main and due):
         return
-    common.atomic_save(
-        {
-            "script": SCRIPT,
-            "policy": common.trained_weights(policy),
-            "value_model": value_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": step,
-            "kl_coef": beta,
-            "args": dataclasses.asdict(args),
-            "rng": common.get_rng_state(),
-            "digests": common.input_digests(args.dataset, args.reward_fn),
-        },
-        log.checkpoint,
-    )
+    state = {
+        "script": SCRIPT,
+        "policy": common.trained_weights(policy),
+        "value_model": value_model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": step,
+        "kl_coef": beta,
+        "args": dataclasses.asdict(args),
+        "rng": common.get_rng_state(),
+        "digests": common.input_digests(args.dataset, args.reward_fn),
+    }
+    common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch) -> list[str]:
     """Rank 0's first four completions with their scores, for the printed and logged samples."""
-    return [
-        f"[reward {batch.score[j]:.2f}] {batch.examples[j]['question']!r} -> "
-        f"{batch.completions[j]!r}"
-        for j in range(min(len(batch.examples), 4))
-    ]
+    first_four = list(zip(batch.score, batch.examples, batch.completions, strict=True))[:4]
+    return [f"[reward {r:.2f}] {ex['question']!r} -> {c!r}" for r, ex, c in first_four]
 
 
 def cli(argv: list[str] | None = None) -> None:
