@@ -79,11 +79,8 @@ def run_cli(main: Callable[[], Any]) -> None:
 
 def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None = None):
     """``tyro.cli(args_cls)``; with ``--resume PATH`` the run's saved flags are the defaults, so a
-    flag given again overrides its saved value. ``--help`` prints and exits 0.
-
-    Raises:
-        UsageError: tyro's error box in one line, or a bad --resume checkpoint.
-    """
+    flag given again overrides its saved value. ``--help`` prints and exits 0. Raises UsageError:
+    tyro's error box in one line, or a bad --resume checkpoint."""
     argv = sys.argv[1:] if argv is None else argv
     args = _tyro(args_cls, argv, None)
     if args.resume:  # again, with the run's saved flags as the defaults
@@ -127,11 +124,10 @@ def _tyro(args_cls: type, argv: list[str], default: Any) -> Any:
 
 
 def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
-    """None when ``flags`` (name -> value) fit the dataclass ``args_cls``: each constraint declared
-    beside its field (``Annotated[int, Ge(2)]``, a ``Literal``), finite floats
-    (``allow_inf_nan=False``), no unknown name; ``strict`` (a checkpoint's flags): exact types too,
-    "0.99" is no float. Else the first error in one line, e.g. ``--group-size: must be greater than
-    or equal to 2, got 1``. Checked by pydantic."""
+    """None when ``flags`` (name -> value) fit the dataclass ``args_cls`` (by pydantic: each
+    constraint beside its field, finite floats, no unknown name; ``strict``, a checkpoint's flags:
+    exact types too, "0.99" is no float), else the first error in one line, e.g. ``--group-size:
+    must be greater than or equal to 2, got 1``."""
     import pydantic
 
     unknown = sorted(set(flags) - {field.name for field in dataclasses.fields(args_cls)})
@@ -151,13 +147,8 @@ def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
 
 
 def check_lm_flags(args: Any) -> None:
-    """The checks both LM scripts share, before anything loads: each flag's own constraint (beside
-    it in ``Args``, :func:`flag_error`), then the rules between flags (the task's are
-    ``tasks.check_task_flags``).
-
-    Raises:
-        UsageError: one line naming the flag and what it expects.
-    """
+    """The checks both LM scripts share, before anything loads: each flag's own constraint
+    (:func:`flag_error`), then the rules between flags. Raises UsageError naming the flag."""
     error = flag_error(type(args), dataclasses.asdict(args))
     check(error is None, str(error))
     device = args.device
@@ -273,15 +264,10 @@ def first_non_finite(obj: Any) -> str | None:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``: a
-    kill at any moment leaves the previous checkpoint whole. Temporary files a killed save left are
-    removed first.
-
-    Raises:
-        UsageError: ``obj`` holds a NaN or an inf (nothing is written), or the file cannot be
-            written (read-only directory, disk full); the line says whether the previous checkpoint
-            is intact.
-    """
+    """``torch.save`` to a temporary file beside ``path`` (those a killed save left are removed),
+    fsync, then rename it over ``path``: a kill at any moment leaves the previous checkpoint whole.
+    Raises UsageError, saying if the previous checkpoint is intact, when ``obj`` holds a NaN or an
+    inf (nothing is written) or the file cannot be written (read-only directory, disk full)."""
     path, tmp = Path(path), None
     kept = "the previous checkpoint there is intact"
     kept = kept if path.is_file() else "no checkpoint was written there yet"
@@ -309,11 +295,8 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool = False) -> dict:
-    """A checkpoint of :func:`atomic_save`, on the CPU; ``mmap``: tensors read only when touched.
-
-    Raises:
-        UsageError: an empty path, a missing file, a directory, or a file that is not a checkpoint.
-    """
+    """A checkpoint of :func:`atomic_save`, on the CPU (``mmap``: tensors read only when touched).
+    Raises UsageError: an empty path, a missing file, a directory, a file that is no checkpoint."""
     import zipfile
 
     check(str(path) != "", f"{flag}: expected a checkpoint file, not an empty path")
@@ -329,13 +312,9 @@ def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool 
 
 
 def saved_flags(ckpt: Any, path: str | os.PathLike, args_cls: type, script: str | None) -> dict:
-    """The flags a checkpoint was written with, after checking it is ``script``'s and that they are
-    flags of ``args_cls`` of their types (:func:`flag_error`).
-
-    Raises:
-        UsageError: no saved flags, another script's checkpoint, a removed flag, a value of another
-        type.
-    """
+    """The flags a checkpoint was written with, after checking it is ``script``'s and they fit
+    ``args_cls`` (:func:`flag_error`). Raises UsageError: no saved flags, another script's
+    checkpoint, a removed flag, a value of another type."""
     where, saved = f"--resume: {path}", ckpt.get("args") if isinstance(ckpt, dict) else None
     not_ours = f"it is not a {script} checkpoint"
     check(isinstance(saved, dict) and saved, f"{where} holds no saved flags; {not_ours}")
@@ -386,11 +365,8 @@ def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | 
     """The --resume checkpoint (memory-mapped), checked before anything loads; None without
     --resume. Checked: this script's, its flags this version's (:func:`saved_flags`); the flags
     that cannot change (``frozen`` and :data:`FROZEN_DATA`); the data and reward files unchanged
-    (:func:`input_digests`); steps left to train, unless --eval-only; no NaN or inf in it.
-
-    Raises:
-        UsageError: one line naming the flag.
-    """
+    (:func:`input_digests`); steps left to train, unless --eval-only; no NaN or inf in it. Raises
+    UsageError naming the flag."""
     if args.resume is None:
         return None
     ckpt = load_checkpoint(args.resume, mmap=True)
@@ -428,32 +404,23 @@ def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | 
 
 
 def check_finite_update(where: str, hint: str, checkpoint: Path, **scalars: torch.Tensor) -> None:
-    """Before ``optimizer.step()``: stop the run, the update not applied, if a 0-d tensor of
-    ``scalars`` (e.g. the loss, the gradient norm) is NaN or inf. One device sync.
-
-    Raises:
-        UsageError: ``non-finite gradient norm at step 3 (the update was not applied); check <hint>;
-        ...``.
-    """
-    values = torch.stack([value.detach().float().reshape(()) for value in scalars.values()])
-    finite = torch.isfinite(values).tolist()
-    if not all(finite):
-        name = list(scalars)[finite.index(False)].replace("_", " ")
-        not_applied = f"at {where} (the update was not applied); check {hint}"
-        raise UsageError(f"non-finite {name} {not_applied}; {_checkpoint_note(checkpoint)}")
+    """Before ``optimizer.step()``: stop the run, the update not applied, if a tensor of
+    ``scalars`` (the loss, the gradient norm) is NaN or inf. Raises UsageError: ``non-finite
+    gradient norm at step 3 (the update was not applied); check <hint>; ...``."""
+    bad = first_non_finite(scalars)  # one sync
+    if bad is not None:
+        not_applied = f"at {where} (the update was not applied); check {hint}; {_kept(checkpoint)}"
+        raise UsageError(f"non-finite {bad.replace('_', ' ')} {not_applied}")
 
 
 def check_finite_parameters(parameters: Any, where: str, hint: str, checkpoint: Path) -> None:
     """After ``optimizer.step()``: stop the run, before any save, if a weight is NaN or inf.
-
-    Raises:
-        UsageError: ``non-finite weights after the update of step 3; check <hint>; ...``.
-    """
-    after = f"after the update of {where}; check {hint}; {_checkpoint_note(checkpoint)}"
+    Raises UsageError: ``non-finite weights after the update of step 3; check <hint>; ...``."""
+    after = f"after the update of {where}; check {hint}; {_kept(checkpoint)}"
     check(first_non_finite(list(parameters)) is None, f"non-finite weights {after}")
 
 
-def _checkpoint_note(path: Path | None) -> str:
+def _kept(path: Path | None) -> str:
     if path is not None and path.is_file():
         return f"the last checkpoint {path} is intact"
     return "no checkpoint was written yet"
@@ -464,12 +431,8 @@ def _checkpoint_note(path: Path | None) -> str:
 # ----------------------------------------------------------------------------------------------
 def make_run_dir(args: Any) -> Path:
     """``{runs_dir}/{run_name}`` (default ``{task}__{exp_name}__{seed}__{unix time}``, as CleanRL),
-    or the checkpoint's directory with --resume; writable, and for a new run holding no other run's
-    checkpoint.
-
-    Raises:
-        UsageError: the directory cannot be written, or a new run's holds a checkpoint.
-    """
+    or the checkpoint's directory with --resume. Raises UsageError when it cannot be written, or a
+    new run's holds a checkpoint."""
     name = f"{Path(str(args.task)).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = (
         Path(args.resume).parent if args.resume else Path(args.runs_dir) / (args.run_name or name)
@@ -488,11 +451,8 @@ class RunLog:
     Weights & Biases, which syncs the events), the history main() returns (every rank), the progress
     bar ``name`` (``postfix``: label -> scalar shown) and the sample completions.
     ``log(step, scalars)`` writes and flushes. A resumed run's writer purges what the interrupted
-    run logged after its checkpoint (``purge_step``), so TensorBoard shows each step once.
-
-    Raises:
-        UsageError: ``wandb.init`` fails (no API key, no network): one line naming --track.
-    """
+    run logged after its checkpoint (``purge_step``), so TensorBoard shows each step once. Raises
+    UsageError naming --track when ``wandb.init`` fails (no API key, no network)."""
 
     def __init__(
         self, run_dir: Path, args, rank: int, start_step: int, resumed: bool, name, postfix
@@ -610,11 +570,8 @@ def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step:
 def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir: Path) -> dict:
     """--eval-only: the held-out accuracy of the --resume checkpoint's policy, or of
     --model-name-or-path, printed and written with the first completions to ``eval_step{N}.json``
-    (``eval.json``); no training.
-
-    Raises:
-        UsageError: the checkpoint does not fit the model, or the report cannot be written.
-    """
+    (``eval.json``); no training. Raises UsageError: the checkpoint does not fit the model, or the
+    report cannot be written."""
     _, _, device = start_processes(args.torch_threads, args.device)
     policy = load_policy(args, device)
     out, source = run_dir / "eval.json", {"model": args.model_name_or_path}
