@@ -318,15 +318,11 @@ def saved_flags(ckpt: Any, path: str | os.PathLike, args_cls: type, script: str 
     where, saved = f"--resume: {path}", ckpt.get("args") if isinstance(ckpt, dict) else None
     not_ours = f"it is not a {script} checkpoint"
     check(isinstance(saved, dict) and saved, f"{where} holds no saved flags; {not_ours}")
-    writer = ckpt.get("script")
-    check(
-        script is None or writer in (None, script), f"{where} was written by {writer}, not {script}"
-    )
+    writer = ckpt.get("script") or script  # legacy checkpoints name none
+    check(script in (None, writer), f"{where} was written by {writer}, not {script}")
     error = flag_error(args_cls, saved, strict=True)
-    check(
-        error is None,
-        f"{where} is not a {script} checkpoint of this version ({error}); start a new run",
-    )
+    old = f"a {script} checkpoint of this version ({error}); start a new run"
+    check(error is None, f"{where} is not {old}")
     return saved
 
 
@@ -378,11 +374,9 @@ def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | 
         at_most = f"{held_out}; evaluate on at most {saved['eval_size']}"
         check(args.eval_size <= saved["eval_size"], f"--eval-size {args.eval_size}: {at_most}")
     for name, why in frozen.items():
-        started = f"cannot change when resuming (this run was started with {saved.get(name)!r})"
-        check(
-            name not in saved or saved[name] == getattr(args, name),
-            f"{flag_name(name)}: {started}; {why}",
-        )
+        if name in saved and saved[name] != getattr(args, name):
+            started = f"this run was started with {saved[name]!r}"
+            raise UsageError(f"{flag_name(name)}: cannot change when resuming ({started}); {why}")
     now = input_digests(args.dataset, args.reward_fn)
     for key, digest in ckpt.get("digests", {}).items():  # checkpoints before 2026-11-25 hold none
         flag, _, path = key.partition(" ")
@@ -541,19 +535,11 @@ def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device) -> tuple[
     style, and the completions (``tasks.greedy_accuracy``)."""
     from tasks import greedy_accuracy
 
+    questions, sizes = task.test[: args.eval_size], (args.max_new_tokens, args.eval_batch_size)
+    style = (args.system_prompt, args.response_prefix, task.name, args.answer_format)
     with bf16_autocast(device, args.bf16):
         return greedy_accuracy(
-            policy,
-            tokenizer,
-            task.test[: args.eval_size],
-            task.correct_fn,
-            args.max_new_tokens,
-            args.eval_batch_size,
-            device,
-            args.system_prompt,
-            args.response_prefix,
-            task.name,
-            args.answer_format,
+            policy, tokenizer, questions, task.correct_fn, *sizes, device, *style
         )
 
 
