@@ -443,14 +443,12 @@ def make_run_dir(args: Any) -> Path:
 class RunLog:
     """Where a run's numbers go: TensorBoard (rank 0; ``args.json`` beside it; with --track also
     Weights & Biases, which syncs the events), the history main() returns (every rank), the progress
-    bar ``name`` (``postfix``: label -> scalar shown) and the sample completions.
-    ``log(step, scalars)`` writes and flushes. A resumed run's writer purges what the interrupted
-    run logged after its checkpoint (``purge_step``), so TensorBoard shows each step once. Raises
-    UsageError naming --track when ``wandb.init`` fails (no API key, no network)."""
+    bar ``name`` (``postfix``: label -> scalar shown) and the sample completions. ``log(step,
+    scalars)`` writes and flushes. A ``resumed`` run's writer purges what the killed run logged
+    after its checkpoint's ``start_step``, so TensorBoard shows each step once. Raises UsageError
+    naming --track when ``wandb.init`` fails (no API key, no network)."""
 
-    def __init__(
-        self, run_dir: Path, args, rank: int, start_step: int, resumed: bool, name, postfix
-    ):
+    def __init__(self, run_dir: Path, args, rank, start_step, resumed, name, postfix):
         from torch.utils.tensorboard import SummaryWriter
 
         self.is_main, self.history, self.checkpoint = rank == 0, {}, run_dir / "checkpoint.pt"
