@@ -1,9 +1,6 @@
 """Plumbing both LM scripts share; never an equation (the math lives in each script, beside its
-paper).
-
-Sections: one-line errors and flags; checkpoints and resume; the run directory and its logs; models
-(the offline default model, dropout off, LoRA); the sampler; several processes (torchrun) and bf16.
-"""
+paper). Sections: one-line errors and flags; checkpoints and resume; the run directory and its logs;
+models (the offline default model, dropout off, LoRA); the sampler; torchrun and bf16."""
 
 from __future__ import annotations
 
@@ -460,18 +457,11 @@ class RunLog:
             import wandb
 
             self.wandb = wandb
+            where = dict(project=args.wandb_project_name, entity=args.wandb_entity)
+            run = dict(name=run_dir.name, id=re.sub(r"[^\w-]", "-", run_dir.name), resume="allow")
+            uploads = dict(config=flags, sync_tensorboard=True, save_code=True)
             try:
-                wandb.init(
-                    project=args.wandb_project_name,
-                    entity=args.wandb_entity,
-                    name=run_dir.name,
-                    id=re.sub(r"[^\w-]", "-", run_dir.name),
-                    resume="allow",
-                    sync_tensorboard=True,
-                    config=flags,
-                    dir=str(run_dir),
-                    save_code=True,
-                )
+                wandb.init(**where, **run, **uploads, dir=str(run_dir))
             except Exception as e:  # noqa: BLE001 - whatever wandb raises: one line
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
                 raise UsageError(f"--track: wandb.init failed: {why}") from None
