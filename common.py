@@ -15,17 +15,21 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import numpy as np
+import pydantic
 import torch
+import tyro
 from tqdm.auto import tqdm
 
 
@@ -89,8 +93,6 @@ def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None
 def _tyro(args_cls: type, argv: list[str], default: Any) -> Any:
     """``tyro.cli``; its error box becomes one line: the first paragraph, reworded, and the flags it
     suggests."""
-    import tyro
-
     wide = {} if {"-h", "--help"} & set(argv) else {"COLUMNS": "100000"}  # one row per line
     box = io.StringIO()
     try:
@@ -125,8 +127,6 @@ def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
     constraint beside its field, finite floats, no unknown name; ``strict``, a checkpoint's flags:
     exact types too, "0.99" is no float), else the first error in one line, e.g. ``--group-size:
     must be greater than or equal to 2, got 1``."""
-    import pydantic
-
     unknown = sorted(set(flags) - {field.name for field in dataclasses.fields(args_cls)})
     if unknown:
         return f"{flag_name(unknown[0])}: not a flag of this script"
@@ -294,8 +294,6 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
 def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool = False) -> dict:
     """A checkpoint of :func:`atomic_save`, on the CPU (``mmap``: tensors read only when touched).
     Raises UsageError: an empty path, a missing file, a directory, a file that is no checkpoint."""
-    import zipfile
-
     check(str(path) != "", f"{flag}: expected a checkpoint file, not an empty path")
     path = Path(path)
     check(path.exists(), f"{flag}: checkpoint file {path} does not exist")
@@ -509,8 +507,6 @@ class RunLog:
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """``memory/peak_rss_gb``, the process's peak resident set size, and on CUDA
     ``memory/peak_cuda_gb``."""
-    import resource
-
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     out = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30}
     if device.type == "cuda":
