@@ -519,12 +519,10 @@ def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device) -> tuple[
     style, and the completions (``tasks.greedy_accuracy``)."""
     from tasks import greedy_accuracy
 
-    questions, sizes = task.test[: args.eval_size], (args.max_new_tokens, args.eval_batch_size)
+    held_out, sizes = task.test[: args.eval_size], (args.max_new_tokens, args.eval_batch_size)
     style = (args.system_prompt, args.response_prefix, task.name, args.answer_format)
     with bf16_autocast(device, args.bf16):
-        return greedy_accuracy(
-            policy, tokenizer, questions, task.correct_fn, *sizes, device, *style
-        )
+        return greedy_accuracy(policy, tokenizer, held_out, task.correct_fn, *sizes, device, *style)
 
 
 def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step: int) -> None:
