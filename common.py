@@ -91,8 +91,7 @@ def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None
 
 
 def _tyro(args_cls: type, argv: list[str], default: Any) -> Any:
-    """``tyro.cli``; its error box becomes one line: the first paragraph, reworded, and the flags it
-    suggests."""
+    """``tyro.cli``; its error box as one line: the first paragraph and the flags it suggests."""
     wide = {} if {"-h", "--help"} & set(argv) else {"COLUMNS": "100000"}  # one row per line
     box = io.StringIO()
     try:
@@ -184,10 +183,8 @@ def check_lm_flags(args: Any) -> None:
         f"alone, or name the modules ({' '.join(modules)})",
     )
     if args.tis_cap:
-        check(
-            args.tis_cap >= 1,
-            "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)",
-        )
+        cap = "the cap C on pi_old / pi_sampler"
+        check(args.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1 ({cap})")
         check(
             args.fast_generation or (args.bf16 and device != "cpu" and torch.cuda.is_available()),
             "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 "
@@ -526,8 +523,7 @@ def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device) -> tuple[
 
 
 def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step: int) -> None:
-    """Rank 0: the held-out accuracy before training, every --eval-every steps and at the end,
-    logged."""
+    """Rank 0: the held-out accuracy at step 0, every --eval-every steps and at the end, logged."""
     due = step in (0, args.total_steps) or (args.eval_every and step % args.eval_every == 0)
     if log.is_main and args.eval_size and due:
         accuracy, _ = held_out_accuracy(policy, tokenizer, task, args, device)
