@@ -1,31 +1,36 @@
 """Plumbing both LM scripts share; never an equation (the math lives in each script, beside its
-paper).
-
-Sections: one-line errors and flags; checkpoints and resume; the run directory and its logs; models
-(the offline default model, dropout off, LoRA); the sampler; several processes (torchrun) and bf16.
-"""
+paper). Sections: one-line errors and flags; checkpoints and resume; the run directory and its logs;
+models (the offline default model, dropout off, LoRA); the sampler; torchrun and bf16."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import glob
 import hashlib
+import importlib.util
 import io
 import json
 import os
 import random
 import re
+import resource
 import shutil
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
+import pydantic
 import torch
+import tyro
+from tqdm.auto import tqdm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -54,10 +59,9 @@ def flag_name(name: str) -> str:
 def run_cli(main: Callable[[], Any]) -> None:
     """Run ``main()``; a :class:`UsageError` becomes one ``error: ...`` line on stderr, exit code 2.
 
-    Under torchrun only rank 0 prints. A process that fails first tells the others (:func:`agree`),
-    which are waiting in a collective, so every process ends at once with the same line, naming the
-    rank that failed. Any other exception (a bug) is told to the others too, then raised with its
-    traceback.
+    Under torchrun only rank 0 prints; the process that fails first tells the others, waiting in a
+    collective (:func:`agree`), so all end at once with the line naming its rank. Any other
+    exception (a bug) is told to the others too, then raised with its traceback.
     """
     try:
         main()
@@ -76,47 +80,30 @@ def run_cli(main: Callable[[], Any]) -> None:
 
 def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None = None):
     """``tyro.cli(args_cls)``; with ``--resume PATH`` the run's saved flags are the defaults, so a
-    flag given again overrides its saved value. ``--help`` prints and exits 0.
-
-    Raises:
-        UsageError: tyro's error box in one line (its first paragraph), or a bad --resume
-        checkpoint.
-    """
-    import tyro
-
+    flag given again overrides its saved value. ``--help`` prints and exits 0. Raises UsageError:
+    tyro's error box in one line, or a bad --resume checkpoint."""
     argv = sys.argv[1:] if argv is None else argv
-    default = None
-    if "--resume" in argv[:-1] or any(a.startswith("--resume=") for a in argv):
-        default = _tyro(tyro.cli, args_cls, argv, None)  # the path first, then its run's flags
-        if default.resume:
-            ckpt = load_checkpoint(default.resume, mmap=True)
-            default = args_cls(**saved_flags(ckpt, default.resume, args_cls, script))
-    return _tyro(tyro.cli, args_cls, argv, default)
+    args = _tyro(args_cls, argv, None)
+    if args.resume:  # again, with the run's saved flags as the defaults
+        saved = saved_flags(load_checkpoint(args.resume, mmap=True), args.resume, args_cls, script)
+        args = _tyro(args_cls, argv, args_cls(**saved))
+    return args
 
 
-def _tyro(cli: Callable, args_cls: type, argv: list[str], default: Any):
-    box, columns = io.StringIO(), os.environ.get("COLUMNS")
-    if not {"-h", "--help"} & set(argv):
-        os.environ["COLUMNS"] = (
-            "100000"  # one row per message line (--help keeps the terminal's width)
-        )
+def _tyro(args_cls: type, argv: list[str], default: Any) -> Any:
+    """``tyro.cli``; its error box as one line: the first paragraph and the flags it suggests."""
+    wide = {} if {"-h", "--help"} & set(argv) else {"COLUMNS": "100000"}  # one row per line
+    box = io.StringIO()
     try:
-        with contextlib.redirect_stderr(box):
-            return cli(args_cls, args=argv, default=default)
+        with mock.patch.dict(os.environ, wide), contextlib.redirect_stderr(box):
+            return tyro.cli(args_cls, args=argv, default=default)
     except SystemExit as e:
-        sys.stderr.write(box.getvalue() if e.code in (0, None) else "")
-        if e.code in (0, None):
+        if e.code in (0, None):  # --help
+            sys.stderr.write(box.getvalue())
             raise
-        rows = [
-            r.strip(" │|")
-            for r in box.getvalue().splitlines()
-            if not r.lstrip().startswith(("╭", "╰"))
-        ]
+        rows = [row.strip(" │|") for row in box.getvalue().splitlines()[1:]]  # row 0: the title
         paragraphs = [p for p in re.split(r"^[─-]*$", "\n".join(rows), flags=re.M) if p.strip()]
-        paragraphs = paragraphs[1:] if not box.getvalue().lstrip().startswith("╭") else paragraphs
         message = " ".join(paragraphs[0].split()) if paragraphs else "cannot parse the command line"
-        meant = next((p for p in paragraphs if p.strip().startswith("Perhaps you meant")), "")
-        guesses = [row.split()[0] for row in meant.splitlines()[1:] if row.strip().startswith("--")]
         for pattern, repl in [
             (r"^Error parsing (--[\w-]+): ", r"\1: "),
             (
@@ -127,21 +114,18 @@ def _tyro(cli: Callable, args_cls: type, argv: list[str], default: Any):
             (r"^Unrecognized options: ", "unrecognized options: "),
         ]:
             message = re.sub(pattern, repl, message)
-        raise UsageError(
-            message + (f" (did you mean {' or '.join(guesses[:3])}?)" if guesses else "")
-        ) from None
-    finally:
-        os.environ.pop("COLUMNS", None) if columns is None else os.environ.update(COLUMNS=columns)
+        meant = next((p for p in paragraphs if p.strip().startswith("Perhaps you meant")), "")
+        guesses = [row.split()[0] for row in meant.splitlines()[1:] if row.strip().startswith("--")]
+        if guesses:
+            message += f" (did you mean {' or '.join(guesses[:3])}?)"
+        raise UsageError(message) from None
 
 
 def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
-    """None when ``flags`` (name -> value) fit the dataclass ``args_cls``: each constraint declared
-    beside its field (``Annotated[int, Ge(2)]``, a ``Literal``), finite floats
-    (``allow_inf_nan=False``), no unknown name; ``strict`` (a checkpoint's flags): exact types too,
-    "0.99" is no float. Else the first error in one line, e.g. ``--group-size: must be greater than
-    or equal to 2, got 1``. Checked by pydantic."""
-    import pydantic
-
+    """None when ``flags`` (name -> value) fit the dataclass ``args_cls`` (by pydantic: each
+    constraint beside its field, finite floats, no unknown name; ``strict``, a checkpoint's flags:
+    exact types too, "0.99" is no float), else the first error in one line, e.g. ``--group-size:
+    must be greater than or equal to 2, got 1``."""
     unknown = sorted(set(flags) - {field.name for field in dataclasses.fields(args_cls)})
     if unknown:
         return f"{flag_name(unknown[0])}: not a flag of this script"
@@ -151,127 +135,76 @@ def flag_error(args_cls: type, flags: dict, strict: bool = False) -> str | None:
             adapter.validate_json(json.dumps(flags, default=str), strict=True)
         else:
             adapter.validate_python(flags)
-        return None
     except pydantic.ValidationError as e:
         err = e.errors()[0]
-    name = flag_name(str(err["loc"][0])) if err["loc"] else "flags"
-    return f"{name}: {re.sub(r'^Input should', 'must', err['msg'])}, got {err['input']!r}"
+        name = flag_name(str(err["loc"][0])) if err["loc"] else "flags"
+        return f"{name}: {re.sub(r'^Input should', 'must', err['msg'])}, got {err['input']!r}"
+    return None
 
 
 def check_lm_flags(args: Any) -> None:
-    """The checks both LM scripts share, before anything loads: each flag's own constraint (beside
-    it in ``Args``, :func:`flag_error`), then the rules between flags: the device, the reward
-    model's, --eval-only, --track, LoRA's target modules, --tis-cap and the model paths (the task's:
-    ``tasks.check_task_flags``).
-
-    Raises:
-        UsageError: one line naming the flag and what it expects.
-    """
+    """The checks both LM scripts share, before anything loads: each flag's own constraint
+    (:func:`flag_error`), then the rules between flags. Raises UsageError naming the flag."""
     error = flag_error(type(args), dataclasses.asdict(args))
     check(error is None, str(error))
-    check_device(args.device)
-    frozen_rm = args.reward_model_path and not getattr(
-        args, "train_reward_model", False
-    )  # it scores
+    device = args.device
+    expected = "expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+    check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", device), f"--device: {expected}, not {device!r}")
+    if device.startswith("cuda"):
+        why = "no CUDA GPU is visible" if torch.version.cuda else "this torch is built without CUDA"
+        check(torch.cuda.is_available(), f"--device {device}: {why}; use --device cpu")
+        count = torch.cuda.device_count()
+        visible = f"only {count} GPU(s) are visible (cuda:0 to cuda:{count - 1})"
+        check(int(device.partition(":")[2] or 0) < count, f"--device {device}: {visible}")
+    frozen_rm = args.reward_model_path and not getattr(args, "train_reward_model", False)
     check(
         not (frozen_rm and args.format_reward),
-        "--format-reward: the frozen reward model scores every "
-        "completion, so the task's format reward would never be paid; drop one of them",
+        "--format-reward: the frozen reward model scores every completion, so the task's format "
+        "reward would never be paid; drop one of them",
     )
     check(
         not (frozen_rm and args.reward_fn),
         "--reward-fn and --reward-model-path are two rewards: pick one "
         "(--train-reward-model trains the reward model on --reward-fn's rewards)",
     )
+    if args.eval_only:
+        check(args.eval_size > 0, "--eval-only needs --eval-size > 0 held-out questions")
+        check(world_size() == 1, "--eval-only runs in one process, not under torchrun")
     check(
-        not args.eval_only or args.eval_size > 0,
-        "--eval-only needs --eval-size > 0 held-out questions",
-    )
-    check(
-        not args.eval_only or world_size() == 1,
-        "--eval-only runs in one process, not under torchrun",
-    )
-    check(
-        not args.track or _installed("wandb"),
-        "--track: wandb is not installed; run `pip install "
-        "wandb` (or leave --track off: TensorBoard logs are always written)",
+        not args.track or importlib.util.find_spec("wandb"),
+        "--track: wandb is not installed; run `pip install wandb` (or leave --track off: "
+        "TensorBoard logs are always written)",
     )
     modules = list(args.lora_target_modules)
     check(modules, "--lora-target-modules: name at least one module (or 'all-linear')")
     check(
         "all-linear" not in modules or modules == ["all-linear"],
-        "--lora-target-modules: 'all-linear' "
-        "already adapts every linear projection; give it alone, or name the modules "
-        f"({' '.join(modules)})",
+        "--lora-target-modules: 'all-linear' already adapts every linear projection; give it "
+        f"alone, or name the modules ({' '.join(modules)})",
     )
-    check(
-        args.tis_cap == 0 or args.tis_cap >= 1,
-        "--tis-cap must be 0 (off) or >= 1 (the cap C on pi_old / pi_sampler)",
-    )
-    check(
-        args.tis_cap == 0
-        or args.fast_generation
-        or (args.bf16 and args.device != "cpu" and torch.cuda.is_available()),
-        "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 on "
-        "CUDA); "
-        "otherwise pi_old / pi_sampler is 1",
-    )
+    if args.tis_cap:
+        cap = "the cap C on pi_old / pi_sampler"
+        check(args.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1 ({cap})")
+        check(
+            args.fast_generation or (args.bf16 and device != "cpu" and torch.cuda.is_available()),
+            "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 "
+            "on CUDA); otherwise pi_old / pi_sampler is 1",
+        )
     check_model_path(args.model_name_or_path)
     if args.reward_model_path is not None:
         check_model_path(args.reward_model_path, "--reward-model-path")
 
 
-def check_device(device: str, flag: str = "--device") -> None:
-    """``device`` is 'auto', 'cpu', 'cuda' or 'cuda:N', and a CUDA one is there.
-
-    Raises:
-        UsageError: an unknown device, CUDA without CUDA or a GPU, a GPU index that is not visible.
-    """
-    if device == "auto":
-        return
-    match = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", device)
-    check(
-        match and not (match[1] == "cpu" and match[2]),
-        f"{flag}: expected 'auto', 'cpu', 'cuda' or 'cuda:N', not {device!r}",
-    )
-    if match[1] == "cuda":
-        why = (
-            "this torch is built without CUDA"
-            if torch.version.cuda is None
-            else "no CUDA GPU is visible"
-        )
-        check(torch.cuda.is_available(), f"{flag} {device}: {why}; use --device cpu")
-        count = torch.cuda.device_count()
-        check(
-            match[2] is None or int(match[2]) < count,
-            f"{flag} {device}: only {count} GPU(s) are visible (cuda:0 to cuda:{count - 1})",
-        )
-
-
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
     """Fail now, not at the first checkpoint, when the directory ``path`` (or, before it exists, its
-    nearest existing parent) cannot be written: a probe file is made and removed.
-
-    Raises:
-        UsageError: a file is in the way, or the directory is read-only or takes no files
-        (``/proc``).
-    """
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    nearest existing parent) cannot take a file (read-only, ``/proc``, a file in the way); leaves
+    nothing behind."""
+    probe = next(p for p in (Path(path), *Path(path).parents) if p.exists())
     check(probe.is_dir(), f"{flag}: cannot write in {path}: {probe} is a file, not a directory")
     try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".write-probe-")
-        os.close(fd)
-        os.remove(name)
+        tempfile.TemporaryFile(dir=probe).close()
     except OSError as e:
         raise UsageError(f"{flag}: cannot write in {path} ({probe}: {e.strerror or e})") from None
-
-
-def _installed(package: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(package) is not None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,14 +220,8 @@ def seed_everything(seed: int) -> None:
 
 def get_rng_state() -> dict:
     """Every RNG the scripts draw from, so that a resumed run continues exactly."""
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    state = dict(python=random.getstate(), numpy=np.random.get_state(), torch=torch.get_rng_state())
+    return state | dict(cuda=torch.cuda.get_rng_state_all())
 
 
 def set_rng_state(state: dict) -> None:
@@ -302,60 +229,47 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state.get("cuda", []))
 
 
 def first_non_finite(obj: Any) -> str | None:
     """The key path (e.g. ``optimizer.state.0.exp_avg``) of the first floating tensor or array in
     ``obj`` (nested dicts, lists, tuples) that holds a NaN or an inf; None when all are finite. One
     sync per device."""
-    leaves = []
+    leaves = {}
 
     def walk(x, path):
         if isinstance(x, np.ndarray | np.floating) and np.asarray(x).dtype.kind in "fc":
             x = torch.as_tensor(np.asarray(x))
         if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()):
-            leaves.append((path, x.detach()))
+            leaves[path] = x.detach()
         elif isinstance(x, dict | list | tuple):
             for key, value in x.items() if isinstance(x, dict) else enumerate(x):
                 walk(value, f"{path}.{key}" if path else str(key))
 
     walk(obj, "")
     finite = {}
-    for device in {x.device for _, x in leaves}:
-        group = [(path, x) for path, x in leaves if x.device == device]
-        flags = torch.stack([torch.isfinite(x).all() for _, x in group]).tolist()
-        finite.update(zip([path for path, _ in group], flags, strict=True))
-    return next((path for path, _ in leaves if not finite[path]), None)
+    for device in {x.device for x in leaves.values()}:
+        group = {path: x for path, x in leaves.items() if x.device == device}
+        flags = torch.stack([torch.isfinite(x).all() for x in group.values()]).tolist()
+        finite.update(zip(group, flags, strict=True))
+    return next((path for path in leaves if not finite[path]), None)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, fsync, then rename it over ``path``: a
-    kill at any moment leaves the previous checkpoint whole. Temporary files a killed save left are
-    removed first.
-
-    Raises:
-        UsageError: ``obj`` holds a NaN or an inf (nothing is written), or the file cannot be
-            written (read-only directory, disk full); the line says whether the previous checkpoint
-            is intact.
-    """
-    import glob
-
-    path = Path(path)
-    previous = (
-        "the previous checkpoint there is intact"
-        if path.is_file()
-        else "no checkpoint was written there yet"
-    )
+    """``torch.save`` to a temporary file beside ``path`` (those a killed save left are removed),
+    fsync, then rename it over ``path``: a kill at any moment leaves the previous checkpoint whole.
+    Raises UsageError, saying if the previous checkpoint is intact, when ``obj`` holds a NaN or an
+    inf (nothing is written) or the file cannot be written (read-only directory, disk full)."""
+    path, tmp = Path(path), None
+    kept = "the previous checkpoint there is intact"
+    kept = kept if path.is_file() else "no checkpoint was written there yet"
     bad = first_non_finite(obj)
-    check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf); {previous}")
-    tmp = None
+    check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf); {kept}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(
-            f".{glob.escape(path.name)}.{'?' * 8}.tmp"
-        ):  # mkstemp's 8 characters
+        for stale in path.parent.glob(f".{glob.escape(path.name)}.{'?' * 8}.tmp"):  # mkstemp's
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -367,64 +281,40 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> None:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-        os_error = (
-            e if isinstance(e, OSError) else e.__context__
-        )  # torch.save wraps a full disk's OSError
+        os_error = e if isinstance(e, OSError) else e.__context__  # torch.save wraps a full disk's
         if isinstance(e, OSError | RuntimeError) and isinstance(os_error, OSError):
-            raise UsageError(
-                f"cannot write checkpoint {path}: {os_error.strerror or os_error}; {previous}"
-            ) from None
+            why = os_error.strerror or os_error
+            raise UsageError(f"cannot write checkpoint {path}: {why}; {kept}") from None
         raise
 
 
 def load_checkpoint(path: str | os.PathLike, flag: str = "--resume", mmap: bool = False) -> dict:
-    """A checkpoint of :func:`atomic_save`, on the CPU; ``mmap``: tensors are read only when
-    touched.
-
-    Raises:
-        UsageError: an empty path, a missing file, a directory, or a file that is not a checkpoint.
-    """
-    import zipfile
-
+    """A checkpoint of :func:`atomic_save`, on the CPU (``mmap``: tensors read only when touched).
+    Raises UsageError: an empty path, a missing file, a directory, a file that is no checkpoint."""
     check(str(path) != "", f"{flag}: expected a checkpoint file, not an empty path")
     path = Path(path)
     check(path.exists(), f"{flag}: checkpoint file {path} does not exist")
     check(path.is_file(), f"{flag}: {path} is not a checkpoint file")
+    mmap = mmap and zipfile.is_zipfile(path)  # only the zip format maps
     try:
-        return torch.load(
-            path, map_location="cpu", weights_only=False, mmap=mmap and zipfile.is_zipfile(path)
-        )
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
-        raise UsageError(
-            f"{flag}: cannot read checkpoint {path}: {type(e).__name__}: {first_line(e)}"
-        ) from None
+        why = f"{type(e).__name__}: {first_line(e)}"
+        raise UsageError(f"{flag}: cannot read checkpoint {path}: {why}") from None
 
 
-def saved_flags(
-    ckpt: Any, path: str | os.PathLike, args_cls: type, script: str | None, flag: str = "--resume"
-) -> dict:
-    """The flags a checkpoint was written with, after checking it is ``script``'s and that they are
-    flags of ``args_cls`` of their types (:func:`flag_error`).
-
-    Raises:
-        UsageError: no saved flags, another script's checkpoint, a removed flag, a value of another
-        type.
-    """
-    saved = ckpt.get("args") if isinstance(ckpt, dict) else None
-    check(
-        isinstance(saved, dict) and saved,
-        f"{flag}: {path} holds no saved flags; it is not a {script} checkpoint",
-    )
-    writer = ckpt.get("script")
-    check(
-        script is None or writer in (None, script),
-        f"{flag}: {path} was written by {writer}, not {script}",
-    )
+def saved_flags(ckpt: Any, path: str | os.PathLike, args_cls: type, script: str | None) -> dict:
+    """The flags a checkpoint was written with, after checking it is ``script``'s and they fit
+    ``args_cls`` (:func:`flag_error`). Raises UsageError: no saved flags, another script's
+    checkpoint, a removed flag, a value of another type."""
+    where, saved = f"--resume: {path}", ckpt.get("args") if isinstance(ckpt, dict) else None
+    not_ours = f"it is not a {script} checkpoint"
+    check(isinstance(saved, dict) and saved, f"{where} holds no saved flags; {not_ours}")
+    writer = ckpt.get("script") or script  # legacy checkpoints name none
+    check(script in (None, writer), f"{where} was written by {writer}, not {script}")
     error = flag_error(args_cls, saved, strict=True)
-    check(
-        error is None,
-        f"{flag}: {path} is not a {script} checkpoint of this version ({error}); start a new run",
-    )
+    old = f"a {script} checkpoint of this version ({error}); start a new run"
+    check(error is None, f"{where} is not {old}")
     return saved
 
 
@@ -461,91 +351,62 @@ def input_digests(dataset: str | None, reward_fns: list[str]) -> dict[str, str]:
 
 def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | None:
     """The --resume checkpoint (memory-mapped), checked before anything loads; None without
-    --resume.
-
-    Checked: this script's, its flags this version's (:func:`saved_flags`); the flags that cannot
-    change (``frozen`` and :data:`FROZEN_DATA`; --eval-only may evaluate on fewer held-out
-    questions, never more); the content of the data and reward files (:func:`input_digests`); steps
-    left to train, unless --eval-only; no NaN or inf in it.
-
-    Raises:
-        UsageError: one line naming the flag.
-    """
+    --resume. Checked: this script's, its flags this version's (:func:`saved_flags`); the flags
+    that cannot change (``frozen`` and :data:`FROZEN_DATA`); the data and reward files unchanged
+    (:func:`input_digests`); steps left to train, unless --eval-only; no NaN or inf in it. Raises
+    UsageError naming the flag."""
     if args.resume is None:
         return None
     ckpt = load_checkpoint(args.resume, mmap=True)
     saved = saved_flags(ckpt, args.resume, type(args), script)
     frozen = {**FROZEN_DATA, **frozen}
-    if args.eval_only:
+    if args.eval_only:  # it may evaluate on fewer held-out questions, never more
         del frozen["eval_size"]
-        check(
-            args.eval_size <= saved["eval_size"],
-            f"--eval-size {args.eval_size}: this run held out "
-            f"{saved['eval_size']} questions and trained on the others; evaluate on at most "
-            f"{saved['eval_size']}",
-        )
+        held_out = f"this run held out {saved['eval_size']} questions and trained on the others"
+        at_most = f"{held_out}; evaluate on at most {saved['eval_size']}"
+        check(args.eval_size <= saved["eval_size"], f"--eval-size {args.eval_size}: {at_most}")
     for name, why in frozen.items():
-        check(
-            name not in saved or saved[name] == getattr(args, name),
-            f"{flag_name(name)}: cannot change when "
-            f"resuming (this run was started with {saved[name]!r}); {why}",
-        )
+        if name in saved and saved[name] != getattr(args, name):
+            started = f"this run was started with {saved[name]!r}"
+            raise UsageError(f"{flag_name(name)}: cannot change when resuming ({started}); {why}")
     now = input_digests(args.dataset, args.reward_fn)
     for key, digest in ckpt.get("digests", {}).items():  # checkpoints before 2026-11-25 hold none
         flag, _, path = key.partition(" ")
         check(
             now.get(key) == digest,
-            f"{flag}: {path} has changed since this run started (its content hash "
-            "differs); resume with the file the run started with, or start a new run",
+            f"{flag}: {path} has changed since this run started (its content hash differs); "
+            "resume with the file the run started with, or start a new run",
         )
     step = ckpt["step"]
     check(
         args.eval_only or args.total_steps > step,
-        f"--total-steps: this run already reached step {step}; pass "
-        f"more than {step} to train further (or --eval-only to evaluate it)",
+        f"--total-steps: this run already reached step {step}; pass more than {step} to train "
+        "further (or --eval-only to evaluate it)",
     )
     bad = first_non_finite({key: value for key, value in ckpt.items() if key != "args"})
-    check(
-        bad is None,
-        f"--resume: {args.resume} holds non-finite values in {bad}; it is from a run that diverged",
-    )
+    diverged = f"holds non-finite values in {bad}; it is from a run that diverged"
+    check(bad is None, f"--resume: {args.resume} {diverged}")
     return ckpt
 
 
 def check_finite_update(where: str, hint: str, checkpoint: Path, **scalars: torch.Tensor) -> None:
-    """Before ``optimizer.step()``: stop the run, the update not applied, if a 0-d tensor of
-    ``scalars`` (e.g. the loss, the gradient norm) is NaN or inf. One device sync.
-
-    Raises:
-        UsageError: ``non-finite gradient norm at step 3 (the update was not applied); check <hint>;
-        ...``.
-    """
-    finite = torch.isfinite(
-        torch.stack([v.detach().float().reshape(()) for v in scalars.values()])
-    ).tolist()
-    if not all(finite):
-        name = list(scalars)[finite.index(False)].replace("_", " ")
-        raise UsageError(
-            f"non-finite {name} at {where} (the update was not applied); check {hint}; "
-            f"{_checkpoint_note(checkpoint)}"
-        )
+    """Before ``optimizer.step()``: stop the run, the update not applied, if a tensor of
+    ``scalars`` (the loss, the gradient norm) is NaN or inf. Raises UsageError: ``non-finite
+    gradient norm at step 3 (the update was not applied); check <hint>; ...``."""
+    bad = first_non_finite(scalars)  # one sync
+    if bad is not None:
+        not_applied = f"at {where} (the update was not applied); check {hint}; {_kept(checkpoint)}"
+        raise UsageError(f"non-finite {bad.replace('_', ' ')} {not_applied}")
 
 
 def check_finite_parameters(parameters: Any, where: str, hint: str, checkpoint: Path) -> None:
-    """After ``optimizer.step()``: stop the run, before anything is saved, if a weight is NaN or
-    inf.
-
-    Raises:
-        UsageError: ``non-finite weights after the update of step 3; check <hint>; ...``.
-    """
-    check(
-        first_non_finite(list(parameters)) is None,
-        f"non-finite weights after the update of {where}; check "
-        f"{hint}; {_checkpoint_note(checkpoint)}",
-    )
+    """After ``optimizer.step()``: stop the run, before any save, if a weight is NaN or inf.
+    Raises UsageError: ``non-finite weights after the update of step 3; check <hint>; ...``."""
+    after = f"after the update of {where}; check {hint}; {_kept(checkpoint)}"
+    check(first_non_finite(list(parameters)) is None, f"non-finite weights {after}")
 
 
-def _checkpoint_note(path: Path | None) -> str:
+def _kept(path: Path | None) -> str:
     if path is not None and path.is_file():
         return f"the last checkpoint {path} is intact"
     return "no checkpoint was written yet"
@@ -556,17 +417,12 @@ def _checkpoint_note(path: Path | None) -> str:
 # ----------------------------------------------------------------------------------------------
 def make_run_dir(args: Any) -> Path:
     """``{runs_dir}/{run_name}`` (default ``{task}__{exp_name}__{seed}__{unix time}``, as CleanRL),
-    or the checkpoint's directory with --resume; writable, and for a new run holding no other run's
-    checkpoint.
-
-    Raises:
-        UsageError: the directory cannot be written, or a new run's holds a checkpoint.
-    """
-    name = (
-        args.run_name
-        or f"{Path(str(args.task)).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    or the checkpoint's directory with --resume. Raises UsageError when it cannot be written, or a
+    new run's holds a checkpoint."""
+    name = f"{Path(str(args.task)).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = (
+        Path(args.resume).parent if args.resume else Path(args.runs_dir) / (args.run_name or name)
     )
-    run_dir = Path(args.resume).parent if args.resume else Path(args.runs_dir) / name
     ckpt = run_dir / "checkpoint.pt"
     check(
         args.resume or args.eval_only or not ckpt.exists(),
@@ -579,24 +435,12 @@ def make_run_dir(args: Any) -> Path:
 class RunLog:
     """Where a run's numbers go: TensorBoard (rank 0; ``args.json`` beside it; with --track also
     Weights & Biases, which syncs the events), the history main() returns (every rank), the progress
-    bar and the sample completions. ``log(step, scalars)`` writes and flushes. A resumed run's
-    writer purges what the interrupted run logged after its checkpoint (``purge_step``), so
-    TensorBoard shows each step once.
+    bar ``name`` (``postfix``: label -> scalar shown) and the sample completions. ``log(step,
+    scalars)`` writes and flushes. A ``resumed`` run's writer purges what the killed run logged
+    after its checkpoint's ``start_step``, so TensorBoard shows each step once. Raises UsageError
+    naming --track when ``wandb.init`` fails (no API key, no network)."""
 
-    Raises:
-        UsageError: ``wandb.init`` fails (no API key, no network): one line naming --track.
-    """
-
-    def __init__(
-        self,
-        run_dir: Path,
-        args: Any,
-        rank: int,
-        start_step: int,
-        resumed: bool,
-        name: str,
-        postfix: dict[str, str],
-    ):
+    def __init__(self, run_dir: Path, args, rank, start_step, resumed, name, postfix):
         from torch.utils.tensorboard import SummaryWriter
 
         self.is_main, self.history, self.checkpoint = rank == 0, {}, run_dir / "checkpoint.pt"
@@ -608,30 +452,19 @@ class RunLog:
             import wandb
 
             self.wandb = wandb
-
+            where = dict(project=args.wandb_project_name, entity=args.wandb_entity)
+            run = dict(name=run_dir.name, id=re.sub(r"[^\w-]", "-", run_dir.name), resume="allow")
+            uploads = dict(config=flags, sync_tensorboard=True, save_code=True)
             try:
-                wandb.init(
-                    project=args.wandb_project_name,
-                    entity=args.wandb_entity,
-                    name=run_dir.name,
-                    id=re.sub(r"[^\w-]", "-", run_dir.name),
-                    resume="allow",
-                    sync_tensorboard=True,
-                    config=flags,
-                    dir=str(run_dir),
-                    save_code=True,
-                )
+                wandb.init(**where, **run, **uploads, dir=str(run_dir))
             except Exception as e:  # noqa: BLE001 - whatever wandb raises: one line
-                raise UsageError(
-                    f"--track: wandb.init failed: {type(e).__name__}: "
-                    f"{' '.join(str(e).split())[:200]}"
-                ) from None
-        if (
-            resumed
-        ):  # TensorBoard purges only events it read first, in file-name order: name ours later
-            seconds = [int(f.name.split(".")[3]) for f in run_dir.glob("events.out.tfevents.*")]
-            while seconds and int(time.time()) <= max(seconds):
-                time.sleep(0.05)
+                why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                raise UsageError(f"--track: wandb.init failed: {why}") from None
+        # TensorBoard purges only the events it read first, reading files in name order (the second
+        # each was made in first): a resumed run's file is made in a later second
+        seconds = [int(f.name.split(".")[3]) for f in run_dir.glob("events.out.tfevents.*")]
+        while resumed and seconds and int(time.time()) <= max(seconds):
+            time.sleep(0.05)
         self.writer = SummaryWriter(str(run_dir), purge_step=start_step + 1 if resumed else None)
         rows = "\n".join(f"|{k}|{v}|" for k, v in flags.items())
         self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
@@ -650,22 +483,13 @@ class RunLog:
             )
 
     def progress(self, start: int, total: int):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(
-            range(start, total),
-            initial=start,
-            total=total,
-            desc=self.name,
-            disable=not self.is_main,
-        )
+        """The steps ``start`` to ``total - 1``, shown as a progress bar on rank 0."""
+        steps = range(start, total)
+        self.bar = tqdm(steps, desc=self.name, initial=start, total=total, disable=not self.is_main)
         return self.bar
 
     def samples(self, step: int, lines: list[str], every: int) -> None:
-        """Every ``every`` steps (--sample-every): sample completions, printed and logged as
-        text."""
-        from tqdm.auto import tqdm
-
+        """Every ``every`` steps (--sample-every): sample completions, printed and logged."""
         if self.is_main and every and step % every == 0:
             tqdm.write(f"--- step {step} samples ---\n" + "\n".join(lines))
             self.writer.add_text("samples", "  \n".join(lines), step)
@@ -680,8 +504,6 @@ class RunLog:
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """``memory/peak_rss_gb``, the process's peak resident set size, and on CUDA
     ``memory/peak_cuda_gb``."""
-    import resource
-
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     out = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30}
     if device.type == "cuda":
@@ -691,31 +513,17 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
 
 def held_out_accuracy(policy, tokenizer, task: Any, args: Any, device) -> tuple[float, list[str]]:
     """The greedy accuracy of ``policy`` on the --eval-size held-out questions, in the run's prompt
-    style, and the completions (``tasks.greedy_accuracy``). Training's evaluations and --eval-only
-    both call it."""
+    style, and the completions (``tasks.greedy_accuracy``)."""
     from tasks import greedy_accuracy
 
+    held_out, sizes = task.test[: args.eval_size], (args.max_new_tokens, args.eval_batch_size)
+    style = (args.system_prompt, args.response_prefix, task.name, args.answer_format)
     with bf16_autocast(device, args.bf16):
-        return greedy_accuracy(
-            policy,
-            tokenizer,
-            task.test[: args.eval_size],
-            task.correct_fn,
-            args.max_new_tokens,
-            args.eval_batch_size,
-            device,
-            args.system_prompt,
-            args.response_prefix,
-            task.name,
-            args.answer_format,
-        )
+        return greedy_accuracy(policy, tokenizer, held_out, task.correct_fn, *sizes, device, *style)
 
 
 def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step: int) -> None:
-    """Rank 0: the held-out accuracy before training, every --eval-every steps and at the end,
-    logged."""
-    from tqdm.auto import tqdm
-
+    """Rank 0: the held-out accuracy at step 0, every --eval-every steps and at the end, logged."""
     due = step in (0, args.total_steps) or (args.eval_every and step % args.eval_every == 0)
     if log.is_main and args.eval_size and due:
         accuracy, _ = held_out_accuracy(policy, tokenizer, task, args, device)
@@ -726,51 +534,34 @@ def evaluate(policy, tokenizer, task: Any, args: Any, device, log: RunLog, step:
 def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir: Path) -> dict:
     """--eval-only: the held-out accuracy of the --resume checkpoint's policy, or of
     --model-name-or-path, printed and written with the first completions to ``eval_step{N}.json``
-    (``eval.json``); no training.
-
-    Raises:
-        UsageError: the checkpoint does not fit the model, or the report cannot be written.
-    """
+    (``eval.json``); no training. Raises UsageError: the checkpoint does not fit the model, or the
+    report cannot be written."""
     _, _, device = start_processes(args.torch_threads, args.device)
     policy = load_policy(args, device)
+    out, source = run_dir / "eval.json", {"model": args.model_name_or_path}
     if checkpoint is not None:
+        out = run_dir / f"eval_step{checkpoint['step']}.json"
+        source = {"checkpoint": args.resume, "step": checkpoint["step"]}
         try:
             load_trained_weights(policy, checkpoint["policy"])
         except (RuntimeError, KeyError) as e:
-            raise UsageError(
-                f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                f"({type(e).__name__})"
-            ) from None
-    out = run_dir / (f"eval_step{checkpoint['step']}.json" if checkpoint else "eval.json")
+            fit = f"does not fit {args.model_name_or_path} ({type(e).__name__})"
+            raise UsageError(f"--resume: {args.resume} {fit}") from None
     questions = task.test[: args.eval_size]
     accuracy, completions = held_out_accuracy(policy, tokenizer, task, args, device)
-    source = (
-        {"checkpoint": args.resume, "step": checkpoint["step"]}
-        if checkpoint
-        else {"model": args.model_name_or_path}
-    )
-    report = {
-        **source,
-        "task": task.name,
-        "questions": len(questions),
-        "accuracy": accuracy,
-        "correct": round(accuracy * len(questions)),
-        "max_new_tokens": args.max_new_tokens,
-        "first_completions": [
-            {"question": q["question"], "answer": q["answer"], "completion": c}
-            for q, c in zip(questions[:5], completions, strict=False)
-        ],
-    }
+    report = {**source, "task": task.name, "questions": len(questions), "accuracy": accuracy}
+    report |= {"correct": round(accuracy * len(questions)), "max_new_tokens": args.max_new_tokens}
+    report["first_completions"] = [
+        {"question": q["question"], "answer": q["answer"], "completion": c}
+        for q, c in zip(questions[:5], completions, strict=False)
+    ]
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     except OSError as e:
         raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
-    print(
-        f"held-out greedy accuracy {accuracy:.3f} ({report['correct']}/{len(questions)} of "
-        f"{task.name}); "
-        f"written to {out}"
-    )
+    counts = f"{report['correct']}/{len(questions)} of {task.name}"
+    print(f"held-out greedy accuracy {accuracy:.3f} ({counts}); written to {out}")
     cleanup_distributed()
     return {"eval/accuracy": [accuracy]}
 
