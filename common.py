@@ -1238,14 +1238,25 @@ class _Agreed(UsageError):
     """A failure every process has been told of (:func:`agree`)."""
 
 
+def _comm(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` where the backend reduces it (NCCL: on this process's GPU)."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    return t.detach().to("cuda" if nccl else t.device, copy=True)
+
+
 def _tell_the_others(error: str | None) -> str | None:
-    """Every process says whether it has failed (``error``): the first failure in rank order,
-    naming its rank, or None; alone, ``error``. :func:`run_cli` calls it for a failed process."""
+    """Every process says whether it has failed (``error``; one small all-reduce, the messages
+    gathered only when one failed): the first failure in rank order, naming its rank, or None;
+    alone, ``error``. :func:`run_cli` calls it for a failed process."""
     if not _distributed():
         return error
+    failed = _comm(torch.tensor([error is not None], dtype=torch.int32))
+    torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX)
+    if not failed.item():
+        return None
     errors = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(errors, error)
-    return next((f"{e} (on rank {r})" for r, e in enumerate(errors) if e is not None), None)
+    return next(f"{e} (on rank {r})" for r, e in enumerate(errors) if e is not None)
 
 
 def agree() -> None:
@@ -1261,15 +1272,20 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if not _distributed():
         return t
     agree()
-    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
-    out = t.detach().to("cuda" if nccl else t.device, copy=True)
+    out = _comm(t)
     torch.distributed.all_reduce(out, getattr(torch.distributed.ReduceOp, op.upper()))
     return out.to(t.device)
 
 
 def all_gather(t: torch.Tensor) -> torch.Tensor:
-    """The ``t`` of every process, concatenated along dim 0 in rank order."""
-    return torch.cat(all_gather_objects([t.detach().cpu()])).to(t.device)
+    """Every process's same-shaped ``t``, concatenated along dim 0 in rank order; ``t`` alone."""
+    if not _distributed():
+        return t
+    agree()
+    mine = _comm(t).contiguous()
+    parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, mine)
+    return torch.cat(parts).to(t.device)
 
 
 def all_gather_objects(items: list) -> list:
@@ -1289,10 +1305,13 @@ def all_reduce_gradients(parameters) -> None:
     if not _distributed():
         return
     agree()
+    works = []
     for p in parameters:
         if p.requires_grad:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            torch.distributed.all_reduce(p.grad)  # NCCL: queued on the stream, the host goes on
+            works.append(torch.distributed.all_reduce(p.grad, async_op=True))
+    for work in works:  # issued at once, so that NCCL/gloo overlap them
+        work.wait()
 
 
 def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
