@@ -962,9 +962,11 @@ def train_mode(models, enabled: bool):
     only; dropout is off, so nothing else changes), eval mode after (for generation)."""
     for model in models:
         model.train(enabled)
-    yield
-    for model in models:
-        model.eval()
+    try:
+        yield
+    finally:  # also when the block raises
+        for model in models:
+            model.eval()
 
 
 def add_lora(model, rank: int, alpha: float | None, targets: list[str]):

@@ -564,6 +564,14 @@ def test_pad_left_puts_every_last_token_in_the_last_column():
         common.pad_left([], 0)
 
 
+def test_train_mode_leaves_the_models_in_eval_mode_even_when_the_block_raises():
+    model = torch.nn.Linear(2, 2).eval()
+    with pytest.raises(RuntimeError), common.train_mode([model], True):
+        assert model.training
+        raise RuntimeError("a failure inside the block")
+    assert not model.training
+
+
 @pytest.mark.parametrize(
     "script, flags, message",
     [
