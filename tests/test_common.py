@@ -557,6 +557,21 @@ def test_default_model_without_the_wheel_says_how_to_install(monkeypatch, tmp_pa
         common.resolve_model_path(common.DEFAULT_MODEL)
 
 
+def test_a_failed_conversion_of_the_default_model_is_one_line(monkeypatch, capsys, tmp_path):
+    """The default model is converted once into $XDG_CACHE_HOME: a cache that cannot be written
+    (here a file) is one line naming the flag, exit 2, not a traceback."""
+    cache = tmp_path / "a-file"
+    cache.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    with pytest.raises(SystemExit) as exit_info:
+        __import__("grpo_lm").cli(["--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and "Traceback" not in err, err[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: --model-name-or-path: "), err[-2000:]
+    assert str(cache) in errors[0]
+
+
 def test_pad_left_puts_every_last_token_in_the_last_column():
     ids, att = common.pad_left([[5, 6, 7], [8]], pad_token_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and att.tolist() == [[1, 1, 1], [0, 0, 1]]
