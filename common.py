@@ -825,7 +825,8 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
+    if hasattr(gguf.config, "quantization_config"):  # plain floats now (GUIDE.md §2)
+        del gguf.config.quantization_config
     gguf.config.name_or_path = DEFAULT_MODEL
     model = type(gguf)(gguf.config)
     model.load_state_dict(gguf.state_dict())
