@@ -1044,27 +1044,32 @@ def load_trained_weights(policy, weights: dict) -> None:
 def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
     """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
     with the generation config of ``source``, the checkpoint it started from. Written to a temporary
-    directory, then renamed; refused (nothing written) with a non-finite weight."""
+    directory, then renamed. Raises UsageError when a weight is non-finite (nothing is written) or
+    the directory cannot be written."""
     from transformers import GenerationConfig
 
     bad = first_non_finite(model.state_dict())
     check(bad is None, f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    neutral = model.generation_config
+    with contextlib.suppress(Exception):  # a source without one keeps the neutral config
+        model.generation_config = GenerationConfig.from_pretrained(resolve_model_path(source))
     tmp, old = (out_dir.with_name(f".{out_dir.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
-        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # what a killed save left
-            shutil.rmtree(stale)
+        for stale in (tmp, old):  # what a killed save left: whole model copies
+            if stale.exists():
+                shutil.rmtree(stale)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        with contextlib.suppress(Exception):  # a source without one keeps the neutral config
-            GenerationConfig.from_pretrained(resolve_model_path(source)).save_pretrained(tmp)
         if out_dir.exists():  # a resumed run that ended again
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror or e}") from None
+    finally:
+        model.generation_config = neutral
 
 
 # ----------------------------------------------------------------------------------------------

@@ -283,21 +283,23 @@ def test_atomic_save_removes_the_temporary_files_a_killed_save_left(tmp_path):
 def test_save_pretrained_removes_the_temporary_directories_a_killed_save_left(
     tiny_model_dir, tmp_path
 ):
-    # a kill between save_pretrained's renames leaves .final_model.XXXXXXXX (a whole model),
-    # .final_model.old.XXXXXXXX
-    for stale in (
-        tmp_path / ".final_model.abc12345",
-        tmp_path / ".final_model.old.def_5678" / "final_model",
-    ):
+    # a kill between save_pretrained's renames leaves .final_model.tmp, .final_model.old (a whole
+    # model each)
+    for stale in (tmp_path / ".final_model.tmp", tmp_path / ".final_model.old"):
         stale.mkdir(parents=True)
         (stale / "model.safetensors").write_bytes(b"a whole model")
     (tmp_path / ".other_model.abc123").mkdir()  # not ours: kept
+    (tmp_path / ".final_model.notes").mkdir()  # not a name save_pretrained makes: kept
     model, tokenizer = (
         common.load_model(str(tiny_model_dir)),
         common.load_tokenizer(str(tiny_model_dir)),
     )
     common.save_pretrained(model, tokenizer, tmp_path / "final_model", str(tiny_model_dir))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other_model.abc123", "final_model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".final_model.notes",
+        ".other_model.abc123",
+        "final_model",
+    ]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
