@@ -1210,7 +1210,7 @@ def world_size() -> int:
 
 def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
     """CPU threads (0: torch's default), torchrun's process group (NCCL on ``cuda:LOCAL_RANK``, gloo
-    on the CPU) and this process's device ('auto': CUDA if any; TF32 matmuls, far below RL's noise):
+    on the CPU) and this process's device ('auto': CUDA if any; on CUDA TF32, far below RL's noise):
     ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`."""
     if threads:
         torch.set_num_threads(threads)
@@ -1228,7 +1228,8 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
             device = torch.device("cuda", local)
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.backends.cuda.matmul.allow_tf32 = device.type == "cuda"  # cuDNN's default is on already
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return int(os.environ.get("RANK", "0")), world_size(), device
 
 

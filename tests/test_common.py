@@ -581,6 +581,15 @@ def test_pad_left_puts_every_last_token_in_the_last_column():
         common.pad_left([], 0)
 
 
+def test_start_processes_sets_no_tf32_flag_on_the_cpu():
+    old, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+    try:  # True: the caller's choice, which a CPU run leaves alone
+        assert common.start_processes(0, "cpu") == (0, 1, torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def test_train_mode_leaves_the_models_in_eval_mode_even_when_the_block_raises():
     model = torch.nn.Linear(2, 2).eval()
     with pytest.raises(RuntimeError), common.train_mode([model], True):
