@@ -1112,7 +1112,8 @@ def generate_completions(
     nucleus (the model's generation config is neutral). Prompts go in calls of ``per_call`` (0:
     all), each after seeding torch from ``(*seed_keys, first + its first prompt's index)``,
     ``first`` being this process's first prompt's global index. With ``record``, also the log prob
-    of each sampled token under the distribution it was drawn from (else None)."""
+    of each sampled token under the distribution it was drawn from (else None). Raises UsageError
+    on non-finite sampling probabilities (the weights diverged)."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     per_call = per_call or len(prompts)
