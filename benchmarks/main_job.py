@@ -51,12 +51,12 @@ def scalars(run_dir: Path) -> dict[str, list]:
     }
 
 
-def run(tree: Path, seed: int, out: Path, name: str) -> dict:
+def run(tree: Path, seed: int, out: Path, name: str, extra: list[str]) -> dict:
     """One main job from ``tree``; its wall time, peak RSS, phases and accuracies."""
     home = Path(tempfile.mkdtemp(prefix="main-job-home-"))
     env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
     cmd = [sys.executable, "grpo_lm.py", "--group-size", "8", "--seed", str(seed)]
-    cmd += ["--runs-dir", str(out), "--run-name", name]
+    cmd += ["--runs-dir", str(out), "--run-name", name, *extra]
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="git ref of today's main job")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "main_job_results.md"))
+    parser.add_argument("extra", nargs="*", help="flags for both sides, after -- (a smoke run)")
     opts = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="main-job-"))
     old = work / "old"
@@ -119,7 +120,7 @@ def main() -> None:
     results = {}
     for seed in opts.seeds:
         for side, tree in (("old", old), ("new", ROOT)):
-            results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}")
+            results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", opts.extra)
             print(side, seed, json.dumps(results[side, seed]), flush=True)
     write(results, opts)
 
@@ -146,8 +147,9 @@ def write(results: dict, opts) -> None:
         f" at `{head.stdout.decode().strip()}`.",
         "",
         f"Command: `python benchmarks/main_job.py --old {opts.old} --seeds "
-        f"{' '.join(map(str, opts.seeds))}`; each run is `python grpo_lm.py --group-size 8 --seed "
-        "S` from an empty model cache, one at a time.",
+        f"{' '.join(map(str, opts.seeds))}{' -- ' + ' '.join(opts.extra) if opts.extra else ''}`;"
+        " each run is `python grpo_lm.py --group-size 8 --seed S` (with those extra flags) from an"
+        " empty model cache, one at a time.",
         "",
         "| mean over seeds | old | new | new / old |",
         "|-|-|-|-|",
