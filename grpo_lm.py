@@ -27,7 +27,7 @@ on the verifiable reward.
 
 Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
 groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
-once per update, so K processes take one process's step. Only rank 0 logs and saves.
+once per update, so K processes take one process's step. Only rank 0 logs, evaluates and saves.
 
 Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
         torchrun --nproc_per_node 8 grpo_lm.py --prompts-per-step 64 --group-size 16
@@ -60,7 +60,7 @@ from common import UsageError, check
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
 
-    # policy to train: local directory or Hub id of a causal LM (default: SmolLM2-135M-Instruct)
+    # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
     # sequence-classification reward model, pooled at the last non-pad token (default: the task's
     # verifiable reward); frozen unless --train-reward-model
@@ -90,13 +90,15 @@ class Args:
     prompts_per_step: Annotated[int, Ge(1)] = 4  # questions per step, --group-size outputs each
     group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
-    max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
+    # prompts longer than this many tokens are dropped from the training set
+    max_prompt_length: Annotated[int, Ge(1)] = 512
     temperature: Annotated[float, Ge(1e-3)] = 0.7  # T of sampling; log probs use logits / T too
     # nucleus sampling (1.0: the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    beta: Annotated[float, Ge(0)] = 0.04  # KL coefficient of eq. 3 (0: no reference model)
+    # KL coefficient beta of eq. 3's k3 penalty to the reference (0: no reference model)
+    beta: Annotated[float, Ge(0)] = 0.04
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
     mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
     max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
@@ -149,7 +151,8 @@ class Args:
     lora_rank: Annotated[int, Ge(0)] = 0
     # the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules with adapters: peft names (e.g. q_proj v_proj) or 'all-linear'
+    # modules with adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and MLP
+    # projections)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
@@ -192,19 +195,21 @@ class Args:
     # recompute activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
     # log probs: each group's prompt through the model once, its keys/values shared by its G outputs
+    # (off: whole sequences)
     share_prompt: bool = True
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
     fast_generation: bool = False
     # truncated importance sampling (Yao et al. 2025), with a sampler other than the trained module
-    # (--fast-generation, bf16): each token's surrogate times min(pi_old / pi_sampler, C); 0 = off
+    # (--fast-generation, bf16 on CUDA): each token's surrogate times min(pi_old / pi_sampler, C);
+    # 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
 
 @dataclass
 class Batch:
-    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of
-    prompts of P tokens, T tokens at most each, and their rewards (set by :func:`reward`)."""
+    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of at
+    most T tokens, their prompts of at most P tokens, and their rewards (set by :func:`reward`)."""
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
@@ -212,7 +217,9 @@ class Batch:
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
-    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if not the policy's (TIS)
+    # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
+    # float32 (--fast-generation, or bf16 autocast on CUDA): the mismatch log and TIS
+    sampler_logp: torch.Tensor | None
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
     verifiable: torch.Tensor | None = None  # (N,) the task's reward (None: a frozen RM scores)
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
@@ -592,7 +599,9 @@ def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: in
     completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, pad)
-    sampler_logp = None  # recorded when the sampler is not the trained module (--fast-generation)
+    # recorded whenever the sampler is not the trained module in float32 (--fast-generation, or bf16
+    # autocast on CUDA)
+    sampler_logp = None
     if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

@@ -69,7 +69,8 @@ class Args:
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score
+    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score (default:
+    # the task's)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
@@ -125,7 +126,8 @@ class Args:
     # adapt beta towards this KL per sequence (nats, summed over tokens); None = fixed beta. Not the
     # early-stopping --target-kl of ppo_continuous.py and CleanRL: no update stops early here
     adaptive_kl_target: Annotated[float, Gt(0)] | None = None
-    # in sequences: beta *= 1 + clip(KL / target - 1, +-0.2) * N / horizon
+    # horizon of the adaptive KL controller, in sequences: beta *= 1 + clip(KL / target - 1,
+    # +-0.2) * N / horizon
     adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
 
     # --- LoRA (Hu et al. 2021, through peft): low-rank adapters of the policy ---
@@ -144,7 +146,7 @@ class Args:
     # seed of the prompts, sampling, minibatch order and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
-    run_name: str | None = None  # run directory name (default: {task}__{exp_name}__{seed}__{time})
+    run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
     # greedy held-out accuracy every N steps, at the start and at the end (0 = start and end only)
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
@@ -175,7 +177,8 @@ class Args:
     # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
     # float32); no-op on CPU
     bf16: bool = True
-    # recompute activations in the backward pass: less memory, ~30% slower
+    # recompute the policy's and the value model's activations in the backward pass: less memory,
+    # ~30% slower
     gradient_checkpointing: bool = False
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
@@ -198,7 +201,9 @@ class Batch:
     prompt_width: int  # P: the completions start at this column
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
-    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if it is not the policy
+    # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
+    # float32 (--fast-generation, or bf16 autocast on CUDA): the mismatch log and TIS
+    sampler_logp: torch.Tensor | None
     score: torch.Tensor | None = None  # (N,) the reward model's or task's, before the EOS penalty
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
     reward_fns: dict = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
