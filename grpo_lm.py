@@ -62,27 +62,30 @@ class Args:
 
     # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
-    # sequence-classification reward model, pooled at the last non-pad token (default: the task's
-    # verifiable reward); frozen unless --train-reward-model
+    # sequence-classification reward model with the policy's tokenizer, read where its own forward
+    # pass pools (the last non-pad token) (default: the task's verifiable reward); frozen
+    # unless --train-reward-model
     reward_model_path: str | None = None
-    # 'addition' ("What is a + b?"), 'multistep' ("Compute (a + b) * c - d") or 'countdown' (make a
-    # target from 4 numbers with + - * /, as TinyZero)
+    # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
+    # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    # JSONL file of questions and answers (GSM8K's '... #### N' or plain); overrides --task
+    # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
-    # your own reward, file.py:function with function(completion, example) -> float, repeatable
-    # ('task': the task's reward); the reward is their weighted sum (default: the task's)
+    # your own reward, path/to/file.py:function with function(completion, example) -> float,
+    # repeatable ('task': the task's own reward); their weighted sum scores each completion
+    # (default: the task's reward)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
     # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
     format_reward: float = 0.0
-    # 'think': completions are <think> ... </think> <answer> ... </answer>; rewards read the answer
+    # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
+    # read the answer block
     answer_format: Literal["plain", "think"] = "plain"
-    # system message before every question (default: none; --answer-format think: its instructions)
+    # system message before every question (default: none, or --answer-format think's instructions)
     system_prompt: str | None = None
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
@@ -92,8 +95,9 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set
     max_prompt_length: Annotated[int, Ge(1)] = 512
-    temperature: Annotated[float, Ge(1e-3)] = 0.7  # T of sampling; log probs use logits / T too
-    # nucleus sampling (1.0: the full distribution, which the ratio assumes)
+    # sampling temperature T; log probs use the same logits / T
+    temperature: Annotated[float, Ge(1e-3)] = 0.7
+    # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
@@ -147,35 +151,36 @@ class Args:
 
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
 
-    # rank R of the adapters (0 = full fine-tuning); the reference is the policy, adapter disabled
+    # rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
+    # with its adapter disabled
     lora_rank: Annotated[int, Ge(0)] = 0
-    # the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
+    # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules with adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and MLP
-    # projections)
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
+    # MLP projections)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
 
     exp_name: str = "grpo_lm"  # name of this experiment (part of the run name)
-    # seed of prompts, sampling and initialisation
+    # seed of the prompts, sampling and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
-    runs_dir: str = "runs"  # logs, args and checkpoints go to {runs_dir}/{run_name}/
+    runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
     run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
     # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
-    eval_size: Annotated[int, Ge(0)] = 128  # held-out questions (0: no evaluation, none held out)
+    # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
+    eval_size: Annotated[int, Ge(0)] = 128
     eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
-    # write a checkpoint every N steps and at the end (0: only at the end)
-    save_every: Annotated[int, Ge(0)] = 10
-    # checkpoint.pt to continue from: its flags are the defaults, flags given again override them
-    # (same flags, same results); the model, group size, reward model, --eval-size and run
+    save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
+    # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
+    # them (same flags, same results); the model, group size, reward model, --eval-size and run
     # directory cannot change
     resume: str | None = None
     torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
-    # no training: the greedy held-out accuracy of --resume's checkpoint or of
-    # --model-name-or-path (e.g. a run's final_model/), printed and written to the run directory
+    # no training: the greedy held-out accuracy of the --resume checkpoint or of
+    # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
     # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
     track: bool = False
@@ -185,14 +190,14 @@ class Args:
     # --- scale-out and speed: devices, several processes (torchrun), micro-batches, samplers ---
 
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
-    # sequences per forward/backward pass; gradients accumulate over the whole batch
+    # sequences per forward/backward pass; gradients are accumulated over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 8
     # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that has it (weights, optimizer, LM head, log-softmax stay
-    # float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
+    # stay float32); no-op on CPU
     bf16: bool = True
-    # recompute activations in the backward pass: less memory, ~30% slower
+    # recompute the policy's activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
     # log probs: each group's prompt through the model once, its keys/values shared by its G outputs
     # (off: whole sequences)
@@ -200,9 +205,9 @@ class Args:
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
     fast_generation: bool = False
-    # truncated importance sampling (Yao et al. 2025), with a sampler other than the trained module
-    # (--fast-generation, bf16 on CUDA): each token's surrogate times min(pi_old / pi_sampler, C);
-    # 0 = off
+    # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
+    # the trained module (--fast-generation, bf16 on CUDA), weight each token's surrogate by
+    # min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
 

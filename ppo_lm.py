@@ -57,9 +57,9 @@ class Args:
 
     # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
-    # frozen sequence-classification reward model with the policy's tokenizer, read where its own
-    # forward pass pools (default: the task's verifiable reward); the value model starts from it,
-    # else from the policy with a zero head
+    # sequence-classification reward model with the policy's tokenizer, read where its own forward
+    # pass pools (the last non-pad token) (default: the task's verifiable reward); frozen; the value
+    # model starts from it, else from the policy with a zero head
     reward_model_path: str | None = None
     # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
     # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
@@ -69,21 +69,20 @@ class Args:
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score (default:
-    # the task's)
+    # repeatable ('task': the task's own reward); their weighted sum scores each completion
+    # (default: the task's reward)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or with
-    # --answer-format think the <think> ... </think> <answer> ... </answer> shape
+    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
+    # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
     format_reward: float = 0.0
     # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
     # read the answer block
     answer_format: Literal["plain", "think"] = "plain"
     # system message before every question (default: none, or --answer-format think's instructions)
     system_prompt: str | None = None
-    # the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
-    # see it too
+    # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
     # subtracted from the score of a completion without EOS, as TRL's missing_eos_penalty (0 = off)
     missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
@@ -94,7 +93,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set
     max_prompt_length: Annotated[int, Ge(1)] = 512
-    # sampling temperature; log probs use the same logits / temperature
+    # sampling temperature T; log probs use the same logits / T
     temperature: Annotated[float, Ge(1e-3)] = 0.7
     # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -137,7 +136,8 @@ class Args:
     lora_rank: Annotated[int, Ge(0)] = 0
     # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (attention and MLP)
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
+    # MLP projections)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
@@ -147,21 +147,22 @@ class Args:
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
     run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
-    # greedy held-out accuracy every N steps, at the start and at the end (0 = start and end only)
+    # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per generate call of the evaluation
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
     save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
-    # checkpoint.pt to continue from, with its run's flags as defaults (flags given again override
-    # them); the model, the reward model, --eval-size and the run directory cannot change
+    # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
+    # them (same flags, same results); the model, reward model, --eval-size and run directory cannot
+    # change
     resume: str | None = None
     torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
     # no training: the greedy held-out accuracy of the --resume checkpoint or of
     # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
-    # also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline: on disk)
+    # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
     track: bool = False
     wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
     wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
@@ -174,8 +175,8 @@ class Args:
     # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
     # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
-    # float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
+    # stay float32); no-op on CPU
     bf16: bool = True
     # recompute the policy's and the value model's activations in the backward pass: less memory,
     # ~30% slower
