@@ -428,8 +428,12 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
     policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     value_params = list(value_model.parameters())
-    groups = [{"params": policy_params}, {"params": value_params}]
-    optimizer = torch.optim.AdamW(groups, fused=device.type == "cuda")  # lr, eps...: restore()
+    trained = policy_params + value_params  # both models' trained parameters
+    lrs = args.learning_rate, args.value_learning_rate or args.learning_rate
+    groups = [{"params": policy_params, "lr": lrs[0]}, {"params": value_params, "lr": lrs[1]}]
+    optimizer = torch.optim.AdamW(  # fused: one CUDA kernel
+        groups, eps=args.adam_eps, weight_decay=args.weight_decay, fused=device.type == "cuda"
+    )
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
     bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
@@ -444,11 +448,11 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
-    # ppo_loss's eps, eps_v, value-loss weight and sequences per minibatch (of every process)
-    constants = (args.clip_range, args.clip_range_value, args.vf_coef, minibatch_size * world)
-    temperature, micro_batch_size = args.temperature, args.micro_batch_size
+    M = minibatch_size * world  # sequences per minibatch, of every process: the losses divide by M
+    eps, eps_v, vf_coef = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1, N+ details
+    temperature, micro_batch_size, C = args.temperature, args.micro_batch_size, args.tis_cap  # TIS
     for step in log.progress(start_step, args.total_steps):
-        t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # for non-finite errors
+        t0, where = time.time(), f"step {step + 1}"  # where: for the non-finite errors
         # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
         batch = rollout(sampler, policy, args, device, step)  # Batch (--fast-generation: bf16 copy)
         mask = batch.completion_mask  # (N, T): 1 up to and including each completion's first EOS
@@ -479,7 +483,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # every process
 
         # ---- 6. PPO updates: --num-ppo-epochs passes, --num-minibatches optimizer steps each ----
-        stats, t2 = [], time.time()  # ppo_loss's stats of each micro-batch, norms of each update
+        loss_stats, grad_norms = [], []  # ppo_loss's of each micro-batch, norms of each update
+        t2 = time.time()
         for _ in range(args.num_ppo_epochs):
             for minibatch in torch.randperm(N, device=device).split(minibatch_size):  # new split
                 optimizer.zero_grad(set_to_none=True)
@@ -488,31 +493,34 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                         with common.bf16_autocast(device, args.bf16):
                             logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
                             values = token_values(value_model, ids, att, t)
-                        old = (old_logp, advantages, old_values, returns, mask)
-                        old_lp, adv, old_v, ret, m = (x[idx, :t] for x in old)
+                        old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
+                        adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
                         tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
-                        loss, micro_stats = ppo_loss(
-                            logp, old_lp, adv, values, old_v, ret, m, *constants, tis, args.tis_cap
+                        loss, stats = ppo_loss(
+                            logp, old_lp, adv, values, old_v, ret, m, eps, eps_v, vf_coef, M, tis, C
                         )
-                        common.check_finite_update(*where, loss=loss)
+                        common.check_finite_update(where, HINT, log.checkpoint, loss=loss)
                         loss.backward()
-                        stats.append({**micro_stats, "entropy": (entropy * m).sum()})
-                common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
+                        loss_stats.append({**stats, "entropy": (entropy * m).sum()})
+                common.all_reduce_gradients(trained)  # torchrun: DDP's
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                common.check_finite_update(
-                    *where, gradient_norm=grad_norm, value_gradient_norm=value_grad_norm
-                )
+                norms = dict(gradient_norm=grad_norm, value_gradient_norm=value_grad_norm)
+                common.check_finite_update(where, HINT, log.checkpoint, **norms)
                 optimizer.step()
-                common.check_finite_parameters(policy_params + value_params, *where)
-                stats.append({"grad_norm": grad_norm, "value_grad_norm": value_grad_norm})
+                common.check_finite_parameters(trained, where, HINT, log.checkpoint)
+                grad_norms.append(norms)
 
         # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
         beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        tensors, times = (old_logp, old_values, returns), (t0, gen_time, t2)
-        log(step + 1, step_metrics(args, batch, scores, kl, beta_used, tensors, stats, times))
+        metrics = step_metrics(
+            args, batch, scores, kl, beta_used, loss_stats, grad_norms, t0, gen_time, t2
+        )
+        metrics |= value_metrics(old_values, returns, mask.bool())  # value/*: V_old and R_t
+        metrics |= sampler_mismatch(old_logp, batch.sampler_logp, mask)  # --fast-generation, bf16
+        log(step + 1, metrics)
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
@@ -695,40 +703,37 @@ def validate(args: Args) -> None:
 
 
 def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer):
-    """Start or resume: the optimizer's hyperparameters from the flags (--learning-rate,
-    --value-learning-rate, --adam-eps, --weight-decay; on resume too, after the checkpoint's
-    weights and optimizer state are loaded). Returns the step to start from and its KL coefficient:
-    with --adaptive-kl-target on resume the controller's saved value, else --beta.
+    """Resume: the checkpoint's weights and optimizer state, whose hyperparameters the flags given
+    now set again (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay). Returns the
+    step to start from and its KL coefficient: with --adaptive-kl-target on resume the controller's
+    saved value, else --beta (0 and --beta without a checkpoint).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
     """
-    if checkpoint is not None:
-        try:
-            common.load_trained_weights(policy, checkpoint["policy"])
-            value_model.load_state_dict(checkpoint["value_model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise UsageError(
-                f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                f"({type(e).__name__}: {common.first_line(e)[:200]})"
-            ) from None
+    if checkpoint is None:
+        return 0, args.beta
+    try:
+        common.load_trained_weights(policy, checkpoint["policy"])
+        value_model.load_state_dict(checkpoint["value_model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UsageError(
+            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
+            f"({type(e).__name__}: {common.first_line(e)[:200]})"
+        ) from None
     lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    if checkpoint is None:
-        return 0, args.beta
     return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target else args.beta
 
 
-def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: list, times) -> dict:
+def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_time, t2) -> dict:
     """A step's logged scalars over the global batch (gathered from every process): ``reward/mean``
     is the score before the missing-EOS penalty, ``reward/score`` after it, ``reward/non_score`` the
     summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every micro-batch.
-    ``tensors``: (N, T) old log probs, old values and returns; ``stats``: :func:`ppo_loss`'s of each
-    micro-batch and each update's gradient norms; ``times``: the step's start, step 1's seconds and
-    step 6's start."""
-    old_logp, old_values, returns = tensors
+    ``loss_stats``: :func:`ppo_loss`'s of each micro-batch; ``grad_norms``: each update's gradient
+    norms; ``t0``, ``gen_time``, ``t2``: the step's start, step 1's seconds and step 6's start."""
     mask = batch.completion_mask
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
@@ -736,14 +741,12 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         common.all_gather(x.float().cpu())
         for x in (batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated)
     )
-    micro = [s for s in stats if "tokens" in s]  # ppo_loss's stats of each micro-batch
-    updates = [s for s in stats if "grad_norm" in s]  # the gradient norms of each update
-    sums = torch.tensor([sum(float(s[k]) for s in micro) for k in SUMMED])
+    sums = torch.tensor([sum(float(s[k]) for s in loss_stats) for k in SUMMED])
     totals = dict(zip(SUMMED, common.all_reduce(sums).tolist(), strict=True))
-    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in micro))
-    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in micro))
-    tokens, num_updates = max(totals["tokens"], 1), len(updates)
-    (t0, gen_time, t2), now = times, time.time()
+    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in loss_stats))
+    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in loss_stats))
+    tokens, now = max(totals["tokens"], 1), time.time()
+    norms = {k: sum(float(n[k]) for n in grad_norms) / len(grad_norms) for k in grad_norms[0]}
     return {
         "reward/mean": rewards_task.mean().item(),
         "reward/std": rewards_task.std().item(),
@@ -751,8 +754,8 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "reward/score": scores.mean().item(),
         "reward/non_score": non_score.mean().item(),
         "reward/total": (scores + non_score).mean().item(),
-        "loss/policy": totals["policy_loss"] / num_updates,
-        "loss/value": totals["value_loss"] / num_updates,
+        "loss/policy": totals["policy_loss"] / len(grad_norms),
+        "loss/value": totals["value_loss"] / len(grad_norms),
         "loss/kl": kl_sum / max(lengths.sum().item(), 1),
         "loss/clip_fraction": totals["clipped"] / tokens,
         "loss/value_clip_fraction": totals["value_clipped"] / tokens,
@@ -762,11 +765,10 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "kl/sequence_mean": kl_sum / args.prompts_per_step,
         "kl/beta": beta,
-        **value_metrics(old_values, returns, mask.bool()),
         "completion/length_mean": lengths.float().mean().item(),
         "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": sum(float(s["grad_norm"]) for s in updates) / num_updates,
-        "optim/value_grad_norm": sum(float(s["value_grad_norm"]) for s in updates) / num_updates,
+        "optim/grad_norm": norms["gradient_norm"],
+        "optim/value_grad_norm": norms["value_gradient_norm"],
         "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": now - t0 - gen_time,
@@ -775,7 +777,6 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
         **common.peak_memory_gb(kl.device),
         **common.reward_fn_means(batch.reward_fns),
-        **sampler_mismatch(old_logp, batch.sampler_logp, mask),
     }
 
 
