@@ -360,7 +360,8 @@ def grpo_loss(
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)  # (b, 1), GSPO s_i
     elif importance_sampling_level != "token":
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
+        level = importance_sampling_level
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', not {level!r}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     high = clip_range if clip_range_high is None else clip_range_high
@@ -545,7 +546,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
                     old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
-                    mask, tis = loss_mask[idx, :t], common.micro(batch.sampler_logp, idx, t)  # TIS
+                    mask = loss_mask[idx, :t]
+                    tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
                     loss, stats = grpo_loss(
                         logp, old, ref, adv, mask, eps, beta, N_all, sampler_logp=tis, **loss_kw
                     )
@@ -692,24 +694,17 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args:
 
 
 def process_advantages(
-    rewards,
-    seq,
-    end,
-    num_sequences,
-    num_tokens,
-    group_size,
-    eps=1e-4,
-    scale="group",
-    batch_std=None,
+    rewards, seq, end, num_sequences, num_tokens, group_size, eps=1e-4, scale="group", std=None
 ) -> torch.Tensor:
     """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``).
 
-    The (S,) ``rewards`` of every step of the G outputs of a question, each step j in completion
-    ``seq[j]`` ending at its token ``end[j]``, are normalised together, ``r~_j = (r_j - mean) / (std
-    + eps)`` (unbiased std); then ``A_i,t`` = the sum of r~_j over the steps of output i that end at
-    or after t (0 after the last step). ``scale`` as in :func:`group_advantages` ("batch": the std
-    of every step of the batch, ``batch_std`` when it spans several processes). The caller makes
-    the final answer one more step with the outcome reward, so every completion has a step.
+    The (S,) float ``rewards`` of every step of the G outputs of a question, each step j in
+    completion ``seq[j]`` ending at its token ``end[j]`` (``seq``, ``end``: (S,) long tensors), are
+    normalised together, ``r~_j = (r_j - mean) / (std + eps)`` (unbiased std); then ``A_i,t`` = the
+    sum of r~_j over the steps of output i that end at or after t (0 after the last step). ``scale``
+    as in :func:`group_advantages` ("batch": the std of every step of the batch, ``std`` when it
+    spans several processes). The caller makes the final answer one more step with the outcome
+    reward, so every completion has a step.
     Raises ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``.
     """
     if scale not in ("group", "batch", "none"):
@@ -725,7 +720,7 @@ def process_advantages(
         centred = r - r.mean()
         normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
     if scale == "batch":
-        normalised = normalised / ((rewards.std() if batch_std is None else batch_std) + eps)
+        normalised = normalised / ((rewards.std() if std is None else std) + eps)
     at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
     at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
@@ -1063,10 +1058,8 @@ def step_metrics(
     def total(key: str) -> float:  # summed over this process's micro-batches and mu updates
         return sum(stats[key].item() for stats in totals)
 
-    G, sums = (
-        args.group_size,
-        torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")]),
-    )
+    G = args.group_size
+    sums = torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")])
     loss_sum, kl_sum, clipped_sum, tokens_sum = common.all_reduce(sums).tolist()
     lengths, correct, truncated = (
         common.all_gather(x.float().cpu())
@@ -1120,12 +1113,19 @@ def save_checkpoint(log, step: int, args: Args, policy, optimizer, reference, rm
     rm_state = dict(reward_model=None, rm_optimizer=None, rm_new=[], rm_replay=[])
     if rm_training is not None:
         rm_state = rm_training.state()
-    state = dict(script=SCRIPT, policy=common.trained_weights(policy), step=step)
-    state.update(optimizer=optimizer.state_dict(), args=dataclasses.asdict(args))
-    state.update(rng=common.get_rng_state(), iteration=step // length, steps_per_iteration=length)
-    state["digests"] = common.input_digests(args.dataset, args.reward_fn)
     keep_reference = isinstance(reference, torch.nn.Module) and args.iterations > 1
-    state["reference"] = reference.state_dict() if keep_reference else None
+    state = {
+        "script": SCRIPT,
+        "policy": common.trained_weights(policy),
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "args": dataclasses.asdict(args),
+        "rng": common.get_rng_state(),
+        "iteration": step // length,
+        "steps_per_iteration": length,
+        "digests": common.input_digests(args.dataset, args.reward_fn),
+        "reference": reference.state_dict() if keep_reference else None,
+    }
     common.atomic_save(state | rm_state, log.checkpoint)
 
 
