@@ -536,7 +536,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
         # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
         loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO, GSPO, TIS (off: the paper)
-        totals = []  # every micro-batch's loss statistics, for step_metrics
+        loss_stats = []  # grpo_loss's stats of each micro-batch, for step_metrics
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             with common.train_mode((policy,), args.gradient_checkpointing):
@@ -552,7 +552,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
                         logp, old, ref, adv, mask, eps, beta, N_all, sampler_logp=tis, **loss_kw
                     )
                     loss.backward()
-                    totals.append(dict(stats, loss=loss.detach(), entropy=(entropy * mask).sum()))
+                    stats.update(loss=loss.detach(), entropy=(entropy * mask).sum())
+                    loss_stats.append(stats)
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             where = f"step {step + 1}"
@@ -567,7 +568,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
             log(step + 1, rm_training.train(step, log.checkpoint))
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        metrics = step_metrics(args, batch, rewards, totals, grad_norm, optimizer, t0, gen_time)
+        metrics = step_metrics(args, batch, rewards, loss_stats, grad_norm, t0, gen_time)
         log(step + 1, metrics)
         log.samples(step + 1, sample_lines(batch, G), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
@@ -1047,16 +1048,14 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
     return checkpoint["step"]
 
 
-def step_metrics(
-    args: Args, batch: Batch, rewards, totals: list, grad_norm, optimizer, t0, gen_time
-):
+def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm, t0, gen_time):
     """A step's logged scalars over the global batch (sums and per-sequence values gathered from
-    every process), from ``totals``, the :func:`grpo_loss` statistics of every micro-batch with its
-    ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy`` is
-    the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
+    every process), from ``loss_stats``, the :func:`grpo_loss` statistics of every micro-batch with
+    its ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy``
+    is the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
 
     def total(key: str) -> float:  # summed over this process's micro-batches and mu updates
-        return sum(stats[key].item() for stats in totals)
+        return sum(stats[key].item() for stats in loss_stats)
 
     G = args.group_size
     sums = torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")])
@@ -1066,8 +1065,8 @@ def step_metrics(
         for x in (batch.completion_mask.sum(1), batch.correct, batch.truncated)
     )
     entropy = common.all_reduce(torch.tensor(total("entropy"))).item()
-    ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in totals))
-    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in totals))
+    ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in loss_stats))
+    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in loss_stats))
     scalars = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
@@ -1083,7 +1082,7 @@ def step_metrics(
         "completion/length_mean": lengths.mean().item(),
         "completion/frac_truncated": truncated.mean().item(),
         "optim/grad_norm": grad_norm.item(),
-        "optim/learning_rate": optimizer.param_groups[0]["lr"],
+        "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": time.time() - t0 - gen_time,
         "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
@@ -1095,7 +1094,7 @@ def step_metrics(
         gap = torch.tensor([total("sampler_gap_sum"), total("tokens")])
         gap_sum, gap_tokens = common.all_reduce(gap).tolist()
         scalars["sampling/logp_diff_mean"] = gap_sum / max(gap_tokens, 1)
-        gap_max = torch.tensor(max(0.0, *(stats["sampler_gap_max"].item() for stats in totals)))
+        gap_max = torch.tensor(max(0.0, *(stats["sampler_gap_max"].item() for stats in loss_stats)))
         scalars["sampling/logp_diff_max"] = common.all_reduce(gap_max, "max").item()
     if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
         scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()

@@ -437,8 +437,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
     bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
-    sampling_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
-    sampler = Sampler(sampling_model, options, tokenizer, questions, rank, world)  # bf16: a copy
+    sampler_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
+    sampler = Sampler(sampler_model, options, tokenizer, questions, rank, world)  # bf16: a copy
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -565,7 +565,7 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     T = max(len(r) for r in rows)
     completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     sampler_logp = None
-    if sampler.options["record"]:
+    if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, pad)
@@ -783,8 +783,7 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
-    gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
-    returns_all, values_all = gathered
+    returns_all, values_all = (common.all_gather(x[valid].cpu()) for x in (returns, values))
     var_returns = returns_all.var()
     explained = float("nan")
     if var_returns > 0:
