@@ -452,7 +452,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     eps, eps_v, vf_coef = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1, N+ details
     temperature, micro_batch_size, C = args.temperature, args.micro_batch_size, args.tis_cap  # TIS
     for step in log.progress(start_step, args.total_steps):
-        t0, where = time.time(), f"step {step + 1}"  # where: for the non-finite errors
+        t0 = time.time()
+        where = f"step {step + 1}"  # for the non-finite errors
         # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
         batch = rollout(sampler, policy, args, device, step)  # Batch (--fast-generation: bf16 copy)
         mask = batch.completion_mask  # (N, T): 1 up to and including each completion's first EOS
