@@ -27,7 +27,7 @@ on the verifiable reward.
 
 Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
 groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
-once per update, so K processes take one process's step. Only rank 0 logs and saves.
+once per update, so K processes take one process's step. Only rank 0 logs, evaluates and saves.
 
 Usage:  python grpo_lm.py --group-size 8        (see --help for every flag)
         torchrun --nproc_per_node 8 grpo_lm.py --prompts-per-step 64 --group-size 16
@@ -60,29 +60,32 @@ from common import UsageError, check
 class Args:
     # --- the paper's GRPO (DeepSeekMath §4.1): models, task, sampling, eq. 3 ---
 
-    # policy to train: local directory or Hub id of a causal LM (default: SmolLM2-135M-Instruct)
+    # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
-    # sequence-classification reward model, pooled at the last non-pad token (default: the task's
-    # verifiable reward); frozen unless --train-reward-model
+    # sequence-classification reward model with the policy's tokenizer, read where its own forward
+    # pass pools (the last non-pad token) (default: the task's verifiable reward); frozen
+    # unless --train-reward-model
     reward_model_path: str | None = None
-    # 'addition' ("What is a + b?"), 'multistep' ("Compute (a + b) * c - d") or 'countdown' (make a
-    # target from 4 numbers with + - * /, as TinyZero)
+    # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
+    # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
     task: Literal["addition", "multistep", "countdown"] = "addition"
-    # JSONL file of questions and answers (GSM8K's '... #### N' or plain); overrides --task
+    # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
-    # your own reward, file.py:function with function(completion, example) -> float, repeatable
-    # ('task': the task's reward); the reward is their weighted sum (default: the task's)
+    # your own reward, path/to/file.py:function with function(completion, example) -> float,
+    # repeatable ('task': the task's own reward); their weighted sum scores each completion
+    # (default: the task's reward)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
     # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
     # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
     format_reward: float = 0.0
-    # 'think': completions are <think> ... </think> <answer> ... </answer>; rewards read the answer
+    # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
+    # read the answer block
     answer_format: Literal["plain", "think"] = "plain"
-    # system message before every question (default: none; --answer-format think: its instructions)
+    # system message before every question (default: none, or --answer-format think's instructions)
     system_prompt: str | None = None
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
@@ -90,13 +93,16 @@ class Args:
     prompts_per_step: Annotated[int, Ge(1)] = 4  # questions per step, --group-size outputs each
     group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
-    max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
-    temperature: Annotated[float, Ge(1e-3)] = 0.7  # T of sampling; log probs use logits / T too
-    # nucleus sampling (1.0: the full distribution, which the ratio assumes)
+    # prompts longer than this many tokens are dropped from the training set
+    max_prompt_length: Annotated[int, Ge(1)] = 512
+    # sampling temperature T; log probs use the same logits / T
+    temperature: Annotated[float, Ge(1e-3)] = 0.7
+    # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    beta: Annotated[float, Ge(0)] = 0.04  # KL coefficient of eq. 3 (0: no reference model)
+    # KL coefficient beta of eq. 3's k3 penalty to the reference (0: no reference model)
+    beta: Annotated[float, Ge(0)] = 0.04
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
     mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
     max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
@@ -145,34 +151,36 @@ class Args:
 
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
 
-    # rank R of the adapters (0 = full fine-tuning); the reference is the policy, adapter disabled
+    # rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
+    # with its adapter disabled
     lora_rank: Annotated[int, Ge(0)] = 0
-    # the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
+    # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules with adapters: peft names (e.g. q_proj v_proj) or 'all-linear'
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
+    # MLP projections)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
 
     exp_name: str = "grpo_lm"  # name of this experiment (part of the run name)
-    # seed of prompts, sampling and initialisation
+    # seed of the prompts, sampling and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
-    runs_dir: str = "runs"  # logs, args and checkpoints go to {runs_dir}/{run_name}/
+    runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
     run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
     # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
-    eval_size: Annotated[int, Ge(0)] = 128  # held-out questions (0: no evaluation, none held out)
+    # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
+    eval_size: Annotated[int, Ge(0)] = 128
     eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
-    # write a checkpoint every N steps and at the end (0: only at the end)
-    save_every: Annotated[int, Ge(0)] = 10
-    # checkpoint.pt to continue from: its flags are the defaults, flags given again override them
-    # (same flags, same results); the model, group size, reward model, --eval-size and run
+    save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
+    # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
+    # them (same flags, same results); the model, group size, reward model, --eval-size and run
     # directory cannot change
     resume: str | None = None
     torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
-    # no training: the greedy held-out accuracy of --resume's checkpoint or of
-    # --model-name-or-path (e.g. a run's final_model/), printed and written to the run directory
+    # no training: the greedy held-out accuracy of the --resume checkpoint or of
+    # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
     # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
     track: bool = False
@@ -182,29 +190,31 @@ class Args:
     # --- scale-out and speed: devices, several processes (torchrun), micro-batches, samplers ---
 
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
-    # sequences per forward/backward pass; gradients accumulate over the whole batch
+    # sequences per forward/backward pass; gradients are accumulated over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 8
     # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that has it (weights, optimizer, LM head, log-softmax stay
-    # float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
+    # stay float32); no-op on CPU
     bf16: bool = True
-    # recompute activations in the backward pass: less memory, ~30% slower
+    # recompute the policy's activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
     # log probs: each group's prompt through the model once, its keys/values shared by its G outputs
+    # (off: whole sequences)
     share_prompt: bool = True
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
     fast_generation: bool = False
-    # truncated importance sampling (Yao et al. 2025), with a sampler other than the trained module
-    # (--fast-generation, bf16): each token's surrogate times min(pi_old / pi_sampler, C); 0 = off
+    # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
+    # the trained module (--fast-generation, bf16 on CUDA), weight each token's surrogate by
+    # min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
 
 @dataclass
 class Batch:
-    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of
-    prompts of P tokens, T tokens at most each, and their rewards (set by :func:`reward`)."""
+    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of at
+    most T tokens, their prompts of at most P tokens, and their rewards (set by :func:`reward`)."""
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
@@ -212,7 +222,9 @@ class Batch:
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
-    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if not the policy's (TIS)
+    # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
+    # float32 (--fast-generation, or bf16 autocast on CUDA): the mismatch log and TIS
+    sampler_logp: torch.Tensor | None
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
     verifiable: torch.Tensor | None = None  # (N,) the task's reward (None: a frozen RM scores)
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
@@ -348,7 +360,8 @@ def grpo_loss(
     if importance_sampling_level == "sequence":
         log_ratio = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)  # (b, 1), GSPO s_i
     elif importance_sampling_level != "token":
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
+        level = importance_sampling_level
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', not {level!r}")
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     high = clip_range if clip_range_high is None else clip_range_high
@@ -523,7 +536,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
         # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
         loss_kw = variant_options(args, loss_mask)  # Dr. GRPO, DAPO, GSPO, TIS (off: the paper)
-        totals = []  # every micro-batch's loss statistics, for step_metrics
+        loss_stats = []  # grpo_loss's stats of each micro-batch, for step_metrics
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             with common.train_mode((policy,), args.gradient_checkpointing):
@@ -533,12 +546,14 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
                     old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
                     ref = ref_logp[idx, :t] if ref_logp is not None else None
                     adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
-                    mask, tis = loss_mask[idx, :t], common.micro(batch.sampler_logp, idx, t)  # TIS
+                    mask = loss_mask[idx, :t]
+                    tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
                     loss, stats = grpo_loss(
                         logp, old, ref, adv, mask, eps, beta, N_all, sampler_logp=tis, **loss_kw
                     )
                     loss.backward()
-                    totals.append(dict(stats, loss=loss.detach(), entropy=(entropy * mask).sum()))
+                    stats.update(loss=loss.detach(), entropy=(entropy * mask).sum())
+                    loss_stats.append(stats)
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             where = f"step {step + 1}"
@@ -553,7 +568,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
             log(step + 1, rm_training.train(step, log.checkpoint))
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        metrics = step_metrics(args, batch, rewards, totals, grad_norm, optimizer, t0, gen_time)
+        metrics = step_metrics(args, batch, rewards, loss_stats, grad_norm, t0, gen_time)
         log(step + 1, metrics)
         log.samples(step + 1, sample_lines(batch, G), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
@@ -592,7 +607,9 @@ def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: in
     completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, pad)
-    sampler_logp = None  # recorded when the sampler is not the trained module (--fast-generation)
+    # recorded whenever the sampler is not the trained module in float32 (--fast-generation, or bf16
+    # autocast on CUDA)
+    sampler_logp = None
     if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -678,24 +695,17 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn: Callable, args:
 
 
 def process_advantages(
-    rewards,
-    seq,
-    end,
-    num_sequences,
-    num_tokens,
-    group_size,
-    eps=1e-4,
-    scale="group",
-    batch_std=None,
+    rewards, seq, end, num_sequences, num_tokens, group_size, eps=1e-4, scale="group", std=None
 ) -> torch.Tensor:
     """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``).
 
-    The (S,) ``rewards`` of every step of the G outputs of a question, each step j in completion
-    ``seq[j]`` ending at its token ``end[j]``, are normalised together, ``r~_j = (r_j - mean) / (std
-    + eps)`` (unbiased std); then ``A_i,t`` = the sum of r~_j over the steps of output i that end at
-    or after t (0 after the last step). ``scale`` as in :func:`group_advantages` ("batch": the std
-    of every step of the batch, ``batch_std`` when it spans several processes). The caller makes
-    the final answer one more step with the outcome reward, so every completion has a step.
+    The (S,) float ``rewards`` of every step of the G outputs of a question, each step j in
+    completion ``seq[j]`` ending at its token ``end[j]`` (``seq``, ``end``: (S,) long tensors), are
+    normalised together, ``r~_j = (r_j - mean) / (std + eps)`` (unbiased std); then ``A_i,t`` = the
+    sum of r~_j over the steps of output i that end at or after t (0 after the last step). ``scale``
+    as in :func:`group_advantages` ("batch": the std of every step of the batch, ``std`` when it
+    spans several processes). The caller makes the final answer one more step with the outcome
+    reward, so every completion has a step.
     Raises ValueError: a completion has no step, a step ends outside [0, T), or a bad ``scale``.
     """
     if scale not in ("group", "batch", "none"):
@@ -711,7 +721,7 @@ def process_advantages(
         centred = r - r.mean()
         normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
     if scale == "batch":
-        normalised = normalised / ((rewards.std() if batch_std is None else batch_std) + eps)
+        normalised = normalised / ((rewards.std() if std is None else std) + eps)
     at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
     at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
@@ -1038,29 +1048,25 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
     return checkpoint["step"]
 
 
-def step_metrics(
-    args: Args, batch: Batch, rewards, totals: list, grad_norm, optimizer, t0, gen_time
-):
+def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm, t0, gen_time):
     """A step's logged scalars over the global batch (sums and per-sequence values gathered from
-    every process), from ``totals``, the :func:`grpo_loss` statistics of every micro-batch with its
-    ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy`` is
-    the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
+    every process), from ``loss_stats``, the :func:`grpo_loss` statistics of every micro-batch with
+    its ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy``
+    is the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
 
     def total(key: str) -> float:  # summed over this process's micro-batches and mu updates
-        return sum(stats[key].item() for stats in totals)
+        return sum(stats[key].item() for stats in loss_stats)
 
-    G, sums = (
-        args.group_size,
-        torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")]),
-    )
+    G = args.group_size
+    sums = torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")])
     loss_sum, kl_sum, clipped_sum, tokens_sum = common.all_reduce(sums).tolist()
     lengths, correct, truncated = (
         common.all_gather(x.float().cpu())
         for x in (batch.completion_mask.sum(1), batch.correct, batch.truncated)
     )
     entropy = common.all_reduce(torch.tensor(total("entropy"))).item()
-    ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in totals))
-    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in totals))
+    ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in loss_stats))
+    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in loss_stats))
     scalars = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
@@ -1076,7 +1082,7 @@ def step_metrics(
         "completion/length_mean": lengths.mean().item(),
         "completion/frac_truncated": truncated.mean().item(),
         "optim/grad_norm": grad_norm.item(),
-        "optim/learning_rate": optimizer.param_groups[0]["lr"],
+        "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": time.time() - t0 - gen_time,
         "time/tokens_per_s": lengths.sum().item() / (time.time() - t0),
@@ -1088,7 +1094,7 @@ def step_metrics(
         gap = torch.tensor([total("sampler_gap_sum"), total("tokens")])
         gap_sum, gap_tokens = common.all_reduce(gap).tolist()
         scalars["sampling/logp_diff_mean"] = gap_sum / max(gap_tokens, 1)
-        gap_max = torch.tensor(max(0.0, *(stats["sampler_gap_max"].item() for stats in totals)))
+        gap_max = torch.tensor(max(0.0, *(stats["sampler_gap_max"].item() for stats in loss_stats)))
         scalars["sampling/logp_diff_max"] = common.all_reduce(gap_max, "max").item()
     if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
         scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()
@@ -1106,12 +1112,19 @@ def save_checkpoint(log, step: int, args: Args, policy, optimizer, reference, rm
     rm_state = dict(reward_model=None, rm_optimizer=None, rm_new=[], rm_replay=[])
     if rm_training is not None:
         rm_state = rm_training.state()
-    state = dict(script=SCRIPT, policy=common.trained_weights(policy), step=step)
-    state.update(optimizer=optimizer.state_dict(), args=dataclasses.asdict(args))
-    state.update(rng=common.get_rng_state(), iteration=step // length, steps_per_iteration=length)
-    state["digests"] = common.input_digests(args.dataset, args.reward_fn)
     keep_reference = isinstance(reference, torch.nn.Module) and args.iterations > 1
-    state["reference"] = reference.state_dict() if keep_reference else None
+    state = {
+        "script": SCRIPT,
+        "policy": common.trained_weights(policy),
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "args": dataclasses.asdict(args),
+        "rng": common.get_rng_state(),
+        "iteration": step // length,
+        "steps_per_iteration": length,
+        "digests": common.input_digests(args.dataset, args.reward_fn),
+        "reference": reference.state_dict() if keep_reference else None,
+    }
     common.atomic_save(state | rm_state, log.checkpoint)
 
 

@@ -57,9 +57,9 @@ class Args:
 
     # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
-    # frozen sequence-classification reward model with the policy's tokenizer, read where its own
-    # forward pass pools (default: the task's verifiable reward); the value model starts from it,
-    # else from the policy with a zero head
+    # sequence-classification reward model with the policy's tokenizer, read where its own forward
+    # pass pools (the last non-pad token) (default: the task's verifiable reward); frozen; the value
+    # model starts from it, else from the policy with a zero head
     reward_model_path: str | None = None
     # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
     # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
@@ -69,20 +69,20 @@ class Args:
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable; the spec 'task' is the task's own reward; the weighted sum is the score
+    # repeatable ('task': the task's own reward); their weighted sum scores each completion
+    # (default: the task's reward)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or with
-    # --answer-format think the <think> ... </think> <answer> ... </answer> shape
+    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
+    # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
     format_reward: float = 0.0
     # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
     # read the answer block
     answer_format: Literal["plain", "think"] = "plain"
     # system message before every question (default: none, or --answer-format think's instructions)
     system_prompt: str | None = None
-    # the start of every answer, written for the model (assistant prefill, e.g. '<think>'); rewards
-    # see it too
+    # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
     # subtracted from the score of a completion without EOS, as TRL's missing_eos_penalty (0 = off)
     missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
@@ -93,7 +93,7 @@ class Args:
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set
     max_prompt_length: Annotated[int, Ge(1)] = 512
-    # sampling temperature; log probs use the same logits / temperature
+    # sampling temperature T; log probs use the same logits / T
     temperature: Annotated[float, Ge(1e-3)] = 0.7
     # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
@@ -125,7 +125,8 @@ class Args:
     # adapt beta towards this KL per sequence (nats, summed over tokens); None = fixed beta. Not the
     # early-stopping --target-kl of ppo_continuous.py and CleanRL: no update stops early here
     adaptive_kl_target: Annotated[float, Gt(0)] | None = None
-    # in sequences: beta *= 1 + clip(KL / target - 1, +-0.2) * N / horizon
+    # horizon of the adaptive KL controller, in sequences: beta *= 1 + clip(KL / target - 1,
+    # +-0.2) * N / horizon
     adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
 
     # --- LoRA (Hu et al. 2021, through peft): low-rank adapters of the policy ---
@@ -135,7 +136,8 @@ class Args:
     lora_rank: Annotated[int, Ge(0)] = 0
     # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (attention and MLP)
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
+    # MLP projections)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
@@ -144,22 +146,23 @@ class Args:
     # seed of the prompts, sampling, minibatch order and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
-    run_name: str | None = None  # run directory name (default: {task}__{exp_name}__{seed}__{time})
-    # greedy held-out accuracy every N steps, at the start and at the end (0 = start and end only)
+    run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
+    # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per generate call of the evaluation
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
     save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
-    # checkpoint.pt to continue from, with its run's flags as defaults (flags given again override
-    # them); the model, the reward model, --eval-size and the run directory cannot change
+    # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
+    # them (same flags, same results); the model, reward model, --eval-size and run directory cannot
+    # change
     resume: str | None = None
     torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
     # no training: the greedy held-out accuracy of the --resume checkpoint or of
     # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
-    # also track the run with Weights & Biases (pip install wandb; WANDB_MODE=offline: on disk)
+    # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
     track: bool = False
     wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
     wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
@@ -172,10 +175,11 @@ class Args:
     # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
     # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer and log-softmax stay
-    # float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
+    # stay float32); no-op on CPU
     bf16: bool = True
-    # recompute activations in the backward pass: less memory, ~30% slower
+    # recompute the policy's and the value model's activations in the backward pass: less memory,
+    # ~30% slower
     gradient_checkpointing: bool = False
     # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
     # transformers compiles on CUDA
@@ -198,7 +202,9 @@ class Batch:
     prompt_width: int  # P: the completions start at this column
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
-    sampler_logp: torch.Tensor | None  # (N, T) the sampler's log probs if it is not the policy
+    # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
+    # float32 (--fast-generation, or bf16 autocast on CUDA): the mismatch log and TIS
+    sampler_logp: torch.Tensor | None
     score: torch.Tensor | None = None  # (N,) the reward model's or task's, before the EOS penalty
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
     reward_fns: dict = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
@@ -422,13 +428,17 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
     policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     value_params = list(value_model.parameters())
-    groups = [{"params": policy_params}, {"params": value_params}]
-    optimizer = torch.optim.AdamW(groups, fused=device.type == "cuda")  # lr, eps...: restore()
+    trained = policy_params + value_params  # both models' trained parameters
+    lrs = args.learning_rate, args.value_learning_rate or args.learning_rate
+    groups = [{"params": policy_params, "lr": lrs[0]}, {"params": value_params, "lr": lrs[1]}]
+    optimizer = torch.optim.AdamW(  # fused: one CUDA kernel
+        groups, eps=args.adam_eps, weight_decay=args.weight_decay, fused=device.type == "cuda"
+    )
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
     bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
-    sampling_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
-    sampler = Sampler(sampling_model, options, tokenizer, questions, rank, world)  # bf16: a copy
+    sampler_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
+    sampler = Sampler(sampler_model, options, tokenizer, questions, rank, world)  # bf16: a copy
     if checkpoint is not None:
         common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
@@ -438,11 +448,12 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
-    # ppo_loss's eps, eps_v, value-loss weight and sequences per minibatch (of every process)
-    constants = (args.clip_range, args.clip_range_value, args.vf_coef, minibatch_size * world)
-    temperature, micro_batch_size = args.temperature, args.micro_batch_size
+    M = minibatch_size * world  # sequences per minibatch, of every process: the losses divide by M
+    eps, eps_v, vf_coef = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1, N+ details
+    temperature, micro_batch_size, C = args.temperature, args.micro_batch_size, args.tis_cap  # TIS
     for step in log.progress(start_step, args.total_steps):
-        t0, where = time.time(), (f"step {step + 1}", HINT, log.checkpoint)  # for non-finite errors
+        t0 = time.time()
+        where = f"step {step + 1}"  # for the non-finite errors
         # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
         batch = rollout(sampler, policy, args, device, step)  # Batch (--fast-generation: bf16 copy)
         mask = batch.completion_mask  # (N, T): 1 up to and including each completion's first EOS
@@ -473,7 +484,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # every process
 
         # ---- 6. PPO updates: --num-ppo-epochs passes, --num-minibatches optimizer steps each ----
-        stats, t2 = [], time.time()  # ppo_loss's stats of each micro-batch, norms of each update
+        loss_stats, grad_norms = [], []  # ppo_loss's of each micro-batch, norms of each update
+        t2 = time.time()
         for _ in range(args.num_ppo_epochs):
             for minibatch in torch.randperm(N, device=device).split(minibatch_size):  # new split
                 optimizer.zero_grad(set_to_none=True)
@@ -482,31 +494,34 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                         with common.bf16_autocast(device, args.bf16):
                             logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
                             values = token_values(value_model, ids, att, t)
-                        old = (old_logp, advantages, old_values, returns, mask)
-                        old_lp, adv, old_v, ret, m = (x[idx, :t] for x in old)
+                        old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
+                        adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
                         tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
-                        loss, micro_stats = ppo_loss(
-                            logp, old_lp, adv, values, old_v, ret, m, *constants, tis, args.tis_cap
+                        loss, stats = ppo_loss(
+                            logp, old_lp, adv, values, old_v, ret, m, eps, eps_v, vf_coef, M, tis, C
                         )
-                        common.check_finite_update(*where, loss=loss)
+                        common.check_finite_update(where, HINT, log.checkpoint, loss=loss)
                         loss.backward()
-                        stats.append({**micro_stats, "entropy": (entropy * m).sum()})
-                common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
+                        loss_stats.append({**stats, "entropy": (entropy * m).sum()})
+                common.all_reduce_gradients(trained)  # torchrun: DDP's
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
                 value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                common.check_finite_update(
-                    *where, gradient_norm=grad_norm, value_gradient_norm=value_grad_norm
-                )
+                norms = dict(gradient_norm=grad_norm, value_gradient_norm=value_grad_norm)
+                common.check_finite_update(where, HINT, log.checkpoint, **norms)
                 optimizer.step()
-                common.check_finite_parameters(policy_params + value_params, *where)
-                stats.append({"grad_norm": grad_norm, "value_grad_norm": value_grad_norm})
+                common.check_finite_parameters(trained, where, HINT, log.checkpoint)
+                grad_norms.append(norms)
 
         # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
         beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        tensors, times = (old_logp, old_values, returns), (t0, gen_time, t2)
-        log(step + 1, step_metrics(args, batch, scores, kl, beta_used, tensors, stats, times))
+        metrics = step_metrics(
+            args, batch, scores, kl, beta_used, loss_stats, grad_norms, t0, gen_time, t2
+        )
+        metrics |= value_metrics(old_values, returns, mask.bool())  # value/*: V_old and R_t
+        metrics |= sampler_mismatch(old_logp, batch.sampler_logp, mask)  # --fast-generation, bf16
+        log(step + 1, metrics)
         log.samples(step + 1, sample_lines(batch), args.sample_every)
         common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
@@ -551,7 +566,7 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     T = max(len(r) for r in rows)
     completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     sampler_logp = None
-    if sampler.options["record"]:
+    if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, pad)
@@ -689,40 +704,37 @@ def validate(args: Args) -> None:
 
 
 def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer):
-    """Start or resume: the optimizer's hyperparameters from the flags (--learning-rate,
-    --value-learning-rate, --adam-eps, --weight-decay; on resume too, after the checkpoint's
-    weights and optimizer state are loaded). Returns the step to start from and its KL coefficient:
-    with --adaptive-kl-target on resume the controller's saved value, else --beta.
+    """Resume: the checkpoint's weights and optimizer state, whose hyperparameters the flags given
+    now set again (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay). Returns the
+    step to start from and its KL coefficient: with --adaptive-kl-target on resume the controller's
+    saved value, else --beta (0 and --beta without a checkpoint).
 
     Raises:
         UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
     """
-    if checkpoint is not None:
-        try:
-            common.load_trained_weights(policy, checkpoint["policy"])
-            value_model.load_state_dict(checkpoint["value_model"])
-            optimizer.load_state_dict(checkpoint["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise UsageError(
-                f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-                f"({type(e).__name__}: {common.first_line(e)[:200]})"
-            ) from None
+    if checkpoint is None:
+        return 0, args.beta
+    try:
+        common.load_trained_weights(policy, checkpoint["policy"])
+        value_model.load_state_dict(checkpoint["value_model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UsageError(
+            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
+            f"({type(e).__name__}: {common.first_line(e)[:200]})"
+        ) from None
     lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    if checkpoint is None:
-        return 0, args.beta
     return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target else args.beta
 
 
-def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: list, times) -> dict:
+def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_time, t2) -> dict:
     """A step's logged scalars over the global batch (gathered from every process): ``reward/mean``
     is the score before the missing-EOS penalty, ``reward/score`` after it, ``reward/non_score`` the
     summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every micro-batch.
-    ``tensors``: (N, T) old log probs, old values and returns; ``stats``: :func:`ppo_loss`'s of each
-    micro-batch and each update's gradient norms; ``times``: the step's start, step 1's seconds and
-    step 6's start."""
-    old_logp, old_values, returns = tensors
+    ``loss_stats``: :func:`ppo_loss`'s of each micro-batch; ``grad_norms``: each update's gradient
+    norms; ``t0``, ``gen_time``, ``t2``: the step's start, step 1's seconds and step 6's start."""
     mask = batch.completion_mask
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
@@ -730,14 +742,12 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         common.all_gather(x.float().cpu())
         for x in (batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated)
     )
-    micro = [s for s in stats if "tokens" in s]  # ppo_loss's stats of each micro-batch
-    updates = [s for s in stats if "grad_norm" in s]  # the gradient norms of each update
-    sums = torch.tensor([sum(float(s[k]) for s in micro) for k in SUMMED])
+    sums = torch.tensor([sum(float(s[k]) for s in loss_stats) for k in SUMMED])
     totals = dict(zip(SUMMED, common.all_reduce(sums).tolist(), strict=True))
-    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in micro))
-    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in micro))
-    tokens, num_updates = max(totals["tokens"], 1), len(updates)
-    (t0, gen_time, t2), now = times, time.time()
+    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in loss_stats))
+    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in loss_stats))
+    tokens, now = max(totals["tokens"], 1), time.time()
+    norms = {k: sum(float(n[k]) for n in grad_norms) / len(grad_norms) for k in grad_norms[0]}
     return {
         "reward/mean": rewards_task.mean().item(),
         "reward/std": rewards_task.std().item(),
@@ -745,8 +755,8 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "reward/score": scores.mean().item(),
         "reward/non_score": non_score.mean().item(),
         "reward/total": (scores + non_score).mean().item(),
-        "loss/policy": totals["policy_loss"] / num_updates,
-        "loss/value": totals["value_loss"] / num_updates,
+        "loss/policy": totals["policy_loss"] / len(grad_norms),
+        "loss/value": totals["value_loss"] / len(grad_norms),
         "loss/kl": kl_sum / max(lengths.sum().item(), 1),
         "loss/clip_fraction": totals["clipped"] / tokens,
         "loss/value_clip_fraction": totals["value_clipped"] / tokens,
@@ -756,11 +766,10 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "kl/sequence_mean": kl_sum / args.prompts_per_step,
         "kl/beta": beta,
-        **value_metrics(old_values, returns, mask.bool()),
         "completion/length_mean": lengths.float().mean().item(),
         "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": sum(float(s["grad_norm"]) for s in updates) / num_updates,
-        "optim/value_grad_norm": sum(float(s["value_grad_norm"]) for s in updates) / num_updates,
+        "optim/grad_norm": norms["gradient_norm"],
+        "optim/value_grad_norm": norms["value_gradient_norm"],
         "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": now - t0 - gen_time,
@@ -769,15 +778,13 @@ def step_metrics(args, batch: Batch, scores, kl, beta: float, tensors, stats: li
         "time/tokens_per_s": lengths.sum().item() / (now - t0),
         **common.peak_memory_gb(kl.device),
         **common.reward_fn_means(batch.reward_fns),
-        **sampler_mismatch(old_logp, batch.sampler_logp, mask),
     }
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
-    gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
-    returns_all, values_all = gathered
+    returns_all, values_all = (common.all_gather(x[valid].cpu()) for x in (returns, values))
     var_returns = returns_all.var()
     explained = float("nan")
     if var_returns > 0:

@@ -2,10 +2,13 @@
 
 Parses each Markdown link [text](target) of README.md and docs/*.md, outside fenced code blocks and
 inline code: a relative target must name an existing file, and a #anchor a heading of the target
-file whose GitHub slug equals it.
+file whose GitHub slug equals it. A flag both LM scripts have says the same in both --help texts.
 """
 
+import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -124,3 +127,49 @@ def test_the_slug_is_githubs():
         github_slug("Time-limit truncation (CleanRL vs ours)")
         == "time-limit-truncation-cleanrl-vs-ours"
     )
+
+
+# flags of both LM scripts whose meaning differs, so that their --help texts say how
+DIFFERENT_HELP = {
+    "reward_model_path",  # PPO's value model starts from it; GRPO can train it
+    "total_steps",  # PPO's epochs x minibatches, GRPO's --mu updates
+    "prompts_per_step",  # one completion each, or --group-size
+    "learning_rate",  # PPO's of the policy; each cites its paper's value
+    "beta",  # PPO: a per-token k1 reward, adaptive; GRPO: eq. 3's k3 penalty
+    "max_grad_norm",  # PPO clips the policy and the value model separately
+    "lora_rank",  # PPO's value model is trained in full
+    "seed",  # PPO's minibatch order
+    "resume",  # GRPO's group size cannot change
+    "micro_batch_size",  # gradients accumulate over a minibatch, or the whole batch
+    "gradient_checkpointing",  # PPO's value model too
+}
+
+
+def flag_help(script: str) -> dict[str, str]:
+    """Each Args field's --help as tyro reads it: the comment on its line, else the comment lines
+    right above it (not a '# ---' section line), whitespace normalised."""
+    source = (ROOT / script).read_text(encoding="utf-8")
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    comments = {t.start[0]: t for t in tokens if t.type == tokenize.COMMENT}
+    args = next(n for n in ast.parse(source).body if getattr(n, "name", "") == "Args")
+
+    def above(k: int) -> bool:  # line k is a comment line of the class body, not a section line
+        return k in comments and comments[k].start[1] == 4 and comments[k].string[:5] != "# ---"
+
+    helps = {}
+    for field in (n for n in args.body if isinstance(n, ast.AnnAssign)):
+        first = field.lineno  # the comment on the field's line, else the lines right above it
+        while field.lineno not in comments and above(first - 1):
+            first -= 1
+        lines = [comments[k].string for k in range(first, field.lineno + 1) if k in comments]
+        helps[field.target.id] = " ".join(" ".join(x[1:] for x in lines).split())
+    return helps
+
+
+def test_a_shared_flag_has_one_help_text():
+    grpo, ppo = flag_help("grpo_lm.py"), flag_help("ppo_lm.py")
+    shared = grpo.keys() & ppo.keys()
+    assert DIFFERENT_HELP <= shared, DIFFERENT_HELP - shared  # the list names no stale flag
+    assert len(shared) > 40 and all(grpo[k] and ppo[k] for k in shared)
+    differ = {k: (grpo[k], ppo[k]) for k in sorted(shared - DIFFERENT_HELP) if grpo[k] != ppo[k]}
+    assert not differ, differ
