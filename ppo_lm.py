@@ -784,7 +784,10 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
-    returns_all, values_all = (common.all_gather(x[valid].cpu()) for x in (returns, values))
+    # each process has its own number of valid tokens: gathered as objects, any length
+    returns_all, values_all = (
+        torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values)
+    )
     var_returns = returns_all.var()
     explained = float("nan")
     if var_returns > 0:
