@@ -263,7 +263,7 @@ def test_ppo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
         "--save-every",
         "0",
         "--seed",
-        "1",
+        "5",  # a seed whose KL moves beta down, then up (the sampler of 2026-11-25)
         "--torch-threads",
         "1",
         "--device",

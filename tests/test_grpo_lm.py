@@ -584,8 +584,11 @@ def test_truncated_importance_sampling_weights_the_surrogate():
     assert plain.item() == pytest.approx(-1.0)  # tis_cap 0: off
 
 
-def test_sampler_log_probs_are_recorded_and_equal_generates_own(tiny_model_dir):
-    # the sampler/learner mismatch is logged from the log probs the sampler itself sampled with
+def test_sampler_log_probs_are_recorded_under_the_distribution_drawn_from(tiny_model_dir):
+    # the sampler/learner mismatch is logged from the log probs the sampler itself sampled with:
+    # each token's under softmax(logits / T) within the top-p nucleus, teacher-forced here
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompts = [
@@ -602,28 +605,40 @@ def test_sampler_log_probs_are_recorded_and_equal_generates_own(tiny_model_dir):
     )
     assert rows == rows_again and none is None  # recording does not change the samples
     ids, att = common.pad_left([p for p in prompts for _ in range(3)], tok.pad_token_id)
-    torch.manual_seed(common.sampling_seed(1, 2, 0, 0))
+    sampled = torch.tensor(rows)
+    mask = grpo_lm.completion_mask(sampled, tok.eos_token_id)
+    full_mask = torch.cat([att, mask.long()], 1)
     with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=att,
-            do_sample=True,
-            temperature=0.7,
-            top_p=0.9,
-            top_k=0,
-            max_new_tokens=9,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    sampled = out.sequences[:, ids.shape[1] :]
-    assert sampled.tolist() == rows
-    expected = (
-        torch.stack(out.scores, 1).log_softmax(-1).gather(2, sampled.unsqueeze(-1)).squeeze(-1)
-    )
-    mask = grpo_lm.completion_mask(sampled, tok.eos_token_id).bool()
-    torch.testing.assert_close(recorded[mask], expected[mask])
+        logits = model(
+            input_ids=torch.cat([ids, sampled], 1),
+            attention_mask=full_mask,
+            position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
+        ).logits[:, ids.shape[1] - 1 : -1]
+    warp = [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]
+    expected = torch.zeros_like(recorded)
+    for t in range(sampled.shape[1]):
+        scores = logits[:, t]
+        for w in warp:
+            scores = w(None, scores)
+        expected[:, t] = scores.log_softmax(-1).gather(1, sampled[:, t : t + 1]).squeeze(1)
+    torch.testing.assert_close(recorded[mask.bool()], expected[mask.bool()])
+
+
+def test_the_sampler_draws_each_token_with_its_probability():
+    # DrawNextToken's inverse-CDF draw: 40,000 draws from p = (0.5, 0.3, 0.2, 0) land on each
+    # token with frequency p (binomial std <= 0.0025), never on the token of probability 0
+    draw = common.DrawNextToken()
+    scores = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log().expand(40_000, 4)
+    torch.manual_seed(0)
+    out = draw(None, scores)
+    token = out.argmax(1)
+    assert (out.isinf().sum(1) == 3).all()  # one finite score per row: greedy emits that token
+    freq = torch.bincount(token, minlength=4).float() / len(token)
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.01, rtol=0)
+    logp = torch.stack(draw.logps, 1).squeeze(1)
+    torch.testing.assert_close(logp, scores.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
+    with pytest.raises(common.UsageError, match="non-finite next-token probabilities"):
+        draw(None, torch.tensor([[0.0, float("nan")]]))
 
 
 def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):
