@@ -96,7 +96,7 @@ def rephrased_accuracy(tree: Path, model: Path, out: Path, env: dict) -> float:
         json.dumps({"question": REPHRASED.format(a=a, b=b), "answer": str(int(a) + int(b))})
         for a, b in rows
     ]
-    lines.append(lines[0])  # --dataset holds out the first --eval-size rows: one more to train on
+    lines += lines[:8]  # --dataset holds out the first --eval-size rows and wants a batch left
     data.write_text("\n".join(lines) + "\n")
     name = f"{model.parent.name}_rephrased"
     cmd = [sys.executable, "grpo_lm.py", "--eval-only", "--model-name-or-path", str(model)]
