@@ -23,6 +23,11 @@ import common
 import grpo_lm
 import ppo_lm
 
+# the tail of every run below: a tiny evaluation, no samples or checkpoints between steps, one
+# thread, the CPU
+QUIET = "--eval-size 2 --eval-every 0 --sample-every 0 --save-every 0 --torch-threads 1".split()
+QUIET += ["--device", "cpu"]
+
 
 @pytest.fixture(autouse=True)
 def restore_torch_threads():
@@ -88,20 +93,9 @@ def test_grpo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path)
         "4",
         "--generation-groups-per-call",
         "1",
-        "--eval-size",
-        "2",
-        "--eval-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--save-every",
-        "0",
         "--seed",
         "3",
-        "--torch-threads",
-        "1",
-        "--device",
-        "cpu",
+        *QUIET,
     ]
     keys = (
         "reward/mean",
@@ -179,20 +173,9 @@ def test_grpo_process_supervision_and_reward_model_training_on_two_processes(
         "4",
         "--generation-groups-per-call",
         "1",
-        "--eval-size",
-        "2",
-        "--eval-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--save-every",
-        "0",
         "--seed",
         "2",
-        "--torch-threads",
-        "1",
-        "--device",
-        "cpu",
+        *QUIET,
     ]
     one = grpo_lm.main(
         common.parse_args(grpo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")])
@@ -254,20 +237,9 @@ def test_ppo_two_processes_take_the_same_steps_as_one(tiny_model_dir, tmp_path):
         "8",
         "--generation-prompts-per-call",
         "1",
-        "--eval-size",
-        "2",
-        "--eval-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--save-every",
-        "0",
         "--seed",
         "5",  # a seed whose KL moves beta down, then up (the sampler of 2026-11-25)
-        "--torch-threads",
-        "1",
-        "--device",
-        "cpu",
+        *QUIET,
     ]
     one = ppo_lm.main(common.parse_args(ppo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")]))
     out = torchrun("ppo_lm.py", [*flags, "--runs-dir", str(tmp_path / "two")])
@@ -380,20 +352,9 @@ def test_grpo_lora_two_processes_take_the_same_steps_as_one(tiny_lora_model_dir,
         "4",
         "--generation-groups-per-call",
         "1",
-        "--eval-size",
-        "2",
-        "--eval-every",
-        "0",
-        "--sample-every",
-        "0",
-        "--save-every",
-        "0",
         "--seed",
         "3",
-        "--torch-threads",
-        "1",
-        "--device",
-        "cpu",
+        *QUIET,
     ]
     one = grpo_lm.main(
         common.parse_args(grpo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")])
