@@ -26,6 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tasks  # noqa: E402  (the held-out split is fixed by tasks.SPLIT_SEED, the same in both trees)
+
 REPHRASED = "What is {a} + {b}? Give the final answer as a number."
 
 
@@ -86,9 +90,6 @@ def run(tree: Path, seed: int, out: Path, name: str, extra: list[str]) -> dict:
 
 def rephrased_accuracy(tree: Path, model: Path, out: Path, env: dict) -> float:
     """Greedy accuracy of ``model`` on the 128 held-out addition problems phrased another way."""
-    sys.path.insert(0, str(ROOT))
-    import tasks  # the held-out split is fixed by tasks.SPLIT_SEED, the same in both trees
-
     held_out = tasks.make_addition_task(128).test
     rows = [re.fullmatch(r"What is (\d+) \+ (\d+)\?", q["question"]).groups() for q in held_out]
     data = out / "rephrased.jsonl"
