@@ -59,9 +59,9 @@ def flag_name(name: str) -> str:
 def run_cli(main: Callable[[], Any]) -> None:
     """Run ``main()``; a :class:`UsageError` becomes one ``error: ...`` line on stderr, exit code 2.
 
-    Under torchrun only rank 0 prints; the process that fails first tells the others, waiting in a
-    collective (:func:`agree`), so all end at once with the line naming its rank. Any other
-    exception (a bug) is told to the others too, then raised with its traceback.
+    Under torchrun rank 0 prints (the others wait for torchrun to end them); the first process to
+    fail tells the others, waiting in :func:`agree`, so all end with the line naming its rank. A
+    bug (any other exception) is told to the others too, then raised with its traceback.
     """
     try:
         main()
@@ -69,6 +69,8 @@ def run_cli(main: Callable[[], Any]) -> None:
         message = str(e) if isinstance(e, _Agreed) else _tell_the_others(str(e))
         if os.environ.get("RANK", "0") in ("0", ""):
             print(f"error: {message}", file=sys.stderr)
+        else:  # torchrun ends every process once one exits: rank 0 is to print before that
+            time.sleep(30)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -393,8 +395,7 @@ def check_finite_update(where: str, hint: str, checkpoint: Path, **scalars: torc
     """Before ``optimizer.step()``: stop the run, the update not applied, if a tensor of
     ``scalars`` (the loss, the gradient norm) is NaN or inf. Raises UsageError: ``non-finite
     gradient norm at step 3 (the update was not applied); check <hint>; ...``."""
-    bad = first_non_finite(scalars)  # one sync
-    if bad is not None:
+    if (bad := first_non_finite(scalars)) is not None:  # one sync
         not_applied = f"at {where} (the update was not applied); check {hint}; {_kept(checkpoint)}"
         raise UsageError(f"non-finite {bad.replace('_', ' ')} {not_applied}")
 
@@ -1068,8 +1069,7 @@ def _tell_the_others(error: str | None) -> str | None:
 def agree() -> None:
     """Before every collective: a failure on one process ends them all with its line (raised as
     :class:`_Agreed`), instead of leaving the others in a collective it never joins."""
-    failure = _tell_the_others(None)
-    if failure is not None:
+    if (failure := _tell_the_others(None)) is not None:
         raise _Agreed(failure)
 
 

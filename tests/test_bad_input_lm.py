@@ -559,3 +559,17 @@ def test_torchrun_every_rank_stops_with_one_line(script, argv, message, tmp_path
     assert not any(
         f'File "{ROOT / name}"' in err for name in ("grpo_lm.py", "ppo_lm.py", "common.py")
     )
+
+
+def test_torchrun_prints_the_line_when_rank_0_finds_the_error_last(tmp_path):
+    # a loaded machine: rank 1 exits first and torchrun ends the others, so rank 0 must still have
+    # printed; here rank 0 starts 3 s late (a sitecustomize that only rank 0 sleeps in)
+    late = "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(3)\n"
+    (tmp_path / "sitecustomize.py").write_text(late)
+    argv = ["--device", "cpu", "--seed", "-1"]
+    out = torchrun("grpo_lm.py", argv, cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    err = out.stdout + out.stderr
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and lines == [
+        "error: --seed: must be greater than or equal to 0, got -1"
+    ], err[-3000:]

@@ -152,14 +152,18 @@ def _raise(message):
 
 
 def test_run_cli_prints_one_line_on_rank_0_only(monkeypatch, capsys):
-    for rank, expected in ((None, "error: --x: bad\n"), ("0", "error: --x: bad\n"), ("1", "")):
+    sleeps = []  # the other ranks wait for torchrun to end them once rank 0 has printed
+    monkeypatch.setattr(common.time, "sleep", sleeps.append)
+    cases = ((None, "error: --x: bad\n", []), ("0", "error: --x: bad\n", []), ("1", "", [30]))
+    for rank, expected, slept in cases:
         if rank is None:
             monkeypatch.delenv("RANK", raising=False)
         else:
             monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as exit_:
             common.run_cli(lambda: _raise("--x: bad"))
-        assert exit_.value.code == 2 and capsys.readouterr().err == expected
+        assert exit_.value.code == 2 and capsys.readouterr().err == expected and sleeps == slept
+        sleeps.clear()
 
 
 # ----------------------------------------------------------------------------------------------
