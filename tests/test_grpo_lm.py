@@ -624,6 +624,28 @@ def test_sampler_log_probs_are_recorded_under_the_distribution_drawn_from(tiny_m
     torch.testing.assert_close(recorded[mask.bool()], expected[mask.bool()])
 
 
+def test_each_distinct_prompt_is_prefilled_once_with_the_same_samples(tiny_model_dir):
+    # generate_completions: the prompts but their last token go through the model once (2 rows, not
+    # 2 x 4), and the draws and their log probs are those of the same 8 prompts given one by one
+    model = common.load_model(str(tiny_model_dir)).eval()
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 2 + 3?")]
+    kw = dict(temperature=0.7, top_p=1.0, max_new_tokens=9, seed_keys=(1, 2, 0), first=0)
+    shapes = []
+    model.register_forward_pre_hook(
+        lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True
+    )
+    cpu = torch.device("cpu")
+    rows, logps = common.generate_completions(model, prompts, 4, tok, cpu, **kw, record=True)
+    assert shapes[:2] == [(2, 13), (8, 1)]  # the prefixes once, then each row's last prompt token
+    shapes.clear()
+    each = [p for p in prompts for _ in range(4)]
+    rows_each, logps_each = common.generate_completions(model, each, 1, tok, cpu, **kw, record=True)
+    assert shapes[0] == (8, 14)  # every row's whole prompt
+    assert rows == rows_each
+    torch.testing.assert_close(torch.tensor(logps), torch.tensor(logps_each), atol=1e-5, rtol=0)
+
+
 def test_the_sampler_draws_each_token_with_its_probability():
     # DrawNextToken's inverse-CDF draw: 40,000 draws from p = (0.5, 0.3, 0.2, 0) land on each
     # token with frequency p (binomial std <= 0.0025), never on the token of probability 0
