@@ -917,7 +917,7 @@ def generate_completions(
         processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
         with torch.no_grad(), bf16_autocast(device, bf16):
             cache, prefix = None, dict(input_ids=ids[:, :-1], attention_mask=att[:, :-1])
-            if repeats > 1 and ids.shape[1] > 1 and not static_cache:  # but its last token
+            if repeats > 1 and ids.shape[1] > 1 and not static_cache:  # each prompt once, not G x
                 prefix["position_ids"] = (att.cumsum(1) - 1).clamp(min=0)[:, :-1]  # as generate's
                 cache = sampler(**prefix, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(repeats)
