@@ -187,10 +187,11 @@ def check_lm_flags(args: Any) -> None:
     if args.tis_cap:
         cap = "the cap C on pi_old / pi_sampler"
         check(args.tis_cap >= 1, f"--tis-cap must be 0 (off) or >= 1 ({cap})")
+        on = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
         check(
-            args.fast_generation or (args.bf16 and device != "cpu" and torch.cuda.is_available()),
+            args.fast_generation or bf16_active(on, args.bf16),
             "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 "
-            "on CUDA); otherwise pi_old / pi_sampler is 1",
+            "on a CUDA GPU or an AMX CPU); otherwise pi_old / pi_sampler is 1",
         )
     check_model_path(args.model_name_or_path)
     if args.reward_model_path is not None:
@@ -344,11 +345,8 @@ def input_digests(dataset: str | None, reward_fns: list[str]) -> dict[str, str]:
     has changed."""
     files = [("--dataset", dataset)] if dataset else []
     files += [("--reward-fn", spec.rpartition(":")[0]) for spec in reward_fns if spec != "task"]
-    return {
-        f"{flag} {path}": hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        for flag, path in files
-        if Path(path).is_file()
-    }
+    found = [(flag, path) for flag, path in files if Path(path).is_file()]
+    return {f"{f} {p}": hashlib.sha256(Path(p).read_bytes()).hexdigest() for f, p in found}
 
 
 def resume_checkpoint(args: Any, script: str, frozen: dict[str, str]) -> dict | None:
@@ -408,9 +406,8 @@ def check_finite_parameters(parameters: Any, where: str, hint: str, checkpoint: 
 
 
 def _kept(path: Path | None) -> str:
-    if path is not None and path.is_file():
-        return f"the last checkpoint {path} is intact"
-    return "no checkpoint was written yet"
+    intact = path is not None and path.is_file()
+    return f"the last checkpoint {path} is intact" if intact else "no checkpoint was written yet"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,9 +418,8 @@ def make_run_dir(args: Any) -> Path:
     or the checkpoint's directory with --resume. Raises UsageError when it cannot be written, or a
     new run's holds a checkpoint."""
     name = f"{Path(str(args.task)).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = (
-        Path(args.resume).parent if args.resume else Path(args.runs_dir) / (args.run_name or name)
-    )
+    new = Path(args.runs_dir) / (args.run_name or name)
+    run_dir = Path(args.resume).parent if args.resume else new
     ckpt = run_dir / "checkpoint.pt"
     check(
         args.resume or args.eval_only or not ckpt.exists(),
@@ -1124,13 +1120,15 @@ def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def bf16_autocast(device: torch.device, enabled: bool):
-    """--bf16: bfloat16 autocast on a CUDA device that supports it, a no-op elsewhere; weights,
-    optimizer states and gradients stay float32 (nanoGPT's mixed precision)."""
+    """--bf16: bfloat16 autocast where :func:`bf16_active`, a no-op elsewhere; weights, optimizer
+    states and gradients stay float32 (nanoGPT's mixed precision)."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_active(device, enabled))
 
 
 def bf16_active(device: torch.device, enabled: bool) -> bool:
-    return enabled and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    """--bf16 takes effect: on a CUDA GPU with bf16, or a CPU with AMX (bf16 matrix units)."""
+    cpu = device.type == "cpu" and torch.cpu._is_amx_tile_supported()
+    return enabled and (cpu or device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -194,8 +194,8 @@ class Args:
     micro_batch_size: Annotated[int, Ge(1)] = 8
     # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
-    # stay float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AMX (weights, optimizer, LM
+    # head and log-softmax stay float32); float32 elsewhere
     bf16: bool = True
     # recompute the policy's activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
@@ -206,7 +206,7 @@ class Args:
     # transformers compiles on CUDA
     fast_generation: bool = False
     # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
-    # the trained module (--fast-generation, bf16 on CUDA), weight each token's surrogate by
+    # the trained module (--fast-generation, --bf16), weight each token's surrogate by
     # min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
@@ -223,7 +223,7 @@ class Batch:
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
     # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
-    # float32 (--fast-generation, or bf16 autocast on CUDA): the mismatch log and TIS
+    # float32 (--fast-generation, or --bf16 autocast): the mismatch log and TIS
     sampler_logp: torch.Tensor | None
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
     verifiable: torch.Tensor | None = None  # (N,) the task's reward (None: a frozen RM scores)
@@ -477,8 +477,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         rm_training = RewardModelTraining(reward_model, tokenizer, args, device)
     trained = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        trained, lr=args.learning_rate, weight_decay=args.weight_decay, fused=device.type == "cuda"
-    )  # CUDA: one kernel
+        trained, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True
+    )  # fused: one kernel (CPU and CUDA)
     start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
     bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo", bar)
@@ -526,7 +526,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA)
+        with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA, AMX)
             for idx, t, inputs in micro_batches:
                 if args.mu > 1:  # with mu = 1, pi_old = pi_theta: logp.detach() below
                     old_logp[idx, :t] = token_log_probs(policy, inputs, temperature, shared)
@@ -607,8 +607,7 @@ def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: in
     completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     completion_ids = torch.where(mask.bool(), completion_ids, pad)
-    # recorded whenever the sampler is not the trained module in float32 (--fast-generation, or bf16
-    # autocast on CUDA)
+    # recorded whenever the sampler is not the trained module in float32 (--fast-generation, --bf16)
     sampler_logp = None
     if row_logps is not None:
         sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)

@@ -175,8 +175,8 @@ class Args:
     # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
     # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it (weights, optimizer, LM head and log-softmax
-    # stay float32); no-op on CPU
+    # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AMX (weights, optimizer, LM
+    # head and log-softmax stay float32); float32 elsewhere
     bf16: bool = True
     # recompute the policy's and the value model's activations in the backward pass: less memory,
     # ~30% slower
@@ -185,7 +185,7 @@ class Args:
     # transformers compiles on CUDA
     fast_generation: bool = False
     # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
-    # the trained module (--fast-generation, bf16 on CUDA), weight each token's surrogate by
+    # the trained module (--fast-generation, --bf16), weight each token's surrogate by
     # min(pi_old / pi_sampler, C); 0 = off
     tis_cap: Annotated[float, Ge(0)] = 0.0
 
@@ -203,7 +203,7 @@ class Batch:
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
     # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
-    # float32 (--fast-generation, or bf16 autocast on CUDA): the mismatch log and TIS
+    # float32 (--fast-generation, or --bf16 autocast): the mismatch log and TIS
     sampler_logp: torch.Tensor | None
     score: torch.Tensor | None = None  # (N,) the reward model's or task's, before the EOS penalty
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
@@ -431,8 +431,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     trained = policy_params + value_params  # both models' trained parameters
     lrs = args.learning_rate, args.value_learning_rate or args.learning_rate
     groups = [{"params": policy_params, "lr": lrs[0]}, {"params": value_params, "lr": lrs[1]}]
-    optimizer = torch.optim.AdamW(  # fused: one CUDA kernel
-        groups, eps=args.adam_eps, weight_decay=args.weight_decay, fused=device.type == "cuda"
+    optimizer = torch.optim.AdamW(  # fused: one kernel (CPU and CUDA)
+        groups, eps=args.adam_eps, weight_decay=args.weight_decay, fused=True
     )
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
     bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")

@@ -24,9 +24,9 @@ import grpo_lm
 import ppo_lm
 
 # the tail of every run below: a tiny evaluation, no samples or checkpoints between steps, one
-# thread, the CPU
+# thread, the CPU in float32 (the torchrun processes do not see conftest's AMX patch)
 QUIET = "--eval-size 2 --eval-every 0 --sample-every 0 --save-every 0 --torch-threads 1".split()
-QUIET += ["--device", "cpu"]
+QUIET += ["--device", "cpu", "--no-bf16"]
 
 
 @pytest.fixture(autouse=True)
