@@ -191,7 +191,7 @@ def check_lm_flags(args: Any) -> None:
         check(
             args.fast_generation or bf16_active(on, args.bf16),
             "--tis-cap needs a sampler other than the trained module (--fast-generation, or --bf16 "
-            "on a CUDA GPU or an AMX CPU); otherwise pi_old / pi_sampler is 1",
+            "on a CUDA GPU or an AVX512-BF16 CPU); otherwise pi_old / pi_sampler is 1",
         )
     check_model_path(args.model_name_or_path)
     if args.reward_model_path is not None:
@@ -1126,8 +1126,8 @@ def bf16_autocast(device: torch.device, enabled: bool):
 
 
 def bf16_active(device: torch.device, enabled: bool) -> bool:
-    """--bf16 takes effect: on a CUDA GPU with bf16, or a CPU with AMX (bf16 matrix units)."""
-    cpu = device.type == "cpu" and torch.cpu._is_amx_tile_supported()
+    """--bf16 takes effect: on a CUDA GPU with bf16, or a CPU with native bf16 (AVX512-BF16)."""
+    cpu = device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
     return enabled and (cpu or device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 

@@ -194,8 +194,8 @@ class Args:
     micro_batch_size: Annotated[int, Ge(1)] = 8
     # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AMX (weights, optimizer, LM
-    # head and log-softmax stay float32); float32 elsewhere
+    # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
+    # optimizer, LM head and log-softmax stay float32); float32 elsewhere
     bf16: bool = True
     # recompute the policy's activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
@@ -526,7 +526,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA, AMX)
+        with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA, AVX512-BF16)
             for idx, t, inputs in micro_batches:
                 if args.mu > 1:  # with mu = 1, pi_old = pi_theta: logp.detach() below
                     old_logp[idx, :t] = token_log_probs(policy, inputs, temperature, shared)

@@ -175,8 +175,8 @@ class Args:
     # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
     # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
-    # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AMX (weights, optimizer, LM
-    # head and log-softmax stay float32); float32 elsewhere
+    # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
+    # optimizer, LM head and log-softmax stay float32); float32 elsewhere
     bf16: bool = True
     # recompute the policy's and the value model's activations in the backward pass: less memory,
     # ~30% slower

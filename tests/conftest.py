@@ -150,12 +150,13 @@ def assert_one_line_error(
 
 @pytest.fixture(scope="session", autouse=True)
 def float32_on_every_cpu():
-    """The tests assert float32 numbers, and CI's CPU varies: --bf16 autocast would run on an Intel
-    Xeon with AMX and not on an AMD EPYC. So no CPU has AMX here, unless a test says it has."""
+    """The tests assert float32 numbers, and CI's CPU varies: --bf16 autocast would run on a
+    CPU with native bf16 (AVX512-BF16: recent Xeons and EPYCs) and not on others.
+    So no CPU has it here, unless a test says it has."""
     import torch
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        patch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
         yield
 
 

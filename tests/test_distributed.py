@@ -24,7 +24,7 @@ import grpo_lm
 import ppo_lm
 
 # the tail of every run below: a tiny evaluation, no samples or checkpoints between steps, one
-# thread, the CPU in float32 (the torchrun processes do not see conftest's AMX patch)
+# thread, the CPU in float32 (the torchrun processes do not see conftest's bf16 patch)
 QUIET = "--eval-size 2 --eval-every 0 --sample-every 0 --save-every 0 --torch-threads 1".split()
 QUIET += ["--device", "cpu", "--no-bf16"]
 

@@ -164,7 +164,7 @@ def no_tf32():
     "device, bf16",
     [
         ("cpu", False),
-        ("cpu", True),  # as on a CPU with AMX
+        ("cpu", True),  # as on a CPU with native bf16
         pytest.param("cuda", False, marks=CUDA),
         pytest.param("cuda", True, marks=CUDA),
     ],
@@ -176,8 +176,8 @@ def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
     # one pass per prompt with its keys and values reused must give the whole-sequence numbers,
     # and the same gradient for every parameter (the prompt's share summed over its completions).
     # On CUDA: float32 without TF32 to the same tolerance; under --bf16 autocast (CUDA, or a CPU
-    # with AMX) to bf16's.
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    # with native bf16) to bf16's.
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert common.bf16_active(torch.device(device), bf16) == bf16
     model = common.load_model(str(tiny_model_dir)).to(device)
     tok = common.load_tokenizer(str(tiny_model_dir))
@@ -327,11 +327,11 @@ def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tm
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
 
 
-def test_an_amx_cpu_samples_and_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
-    # issue 24: --bf16 on a CPU with AMX runs sampling, the reference pass and the update under
-    # bf16 autocast, so the sampler's own log probs are recorded and their distance from the
+def test_a_bf16_cpu_samples_and_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
+    # issue 24: --bf16 on a CPU with native bf16 runs sampling, the reference pass and the update
+    # under bf16 autocast, so the sampler's own log probs are recorded and their distance from the
     # float32 policy's is logged; the policy still learns. --no-bf16: float32, nothing recorded.
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert common.bf16_active(torch.device("cpu"), True)
     history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=25), task=digit_task())
     rewards, diff = history["reward/mean"], history["sampling/logp_diff_mean"]

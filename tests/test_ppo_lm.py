@@ -389,10 +389,11 @@ def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tm
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4, rewards
 
 
-def test_an_amx_cpu_samples_and_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
-    # issue 24: --bf16 on a CPU with AMX autocasts sampling and every pass; the sampler's log probs
-    # are recorded and their distance from the learner's logged, and the policy still learns
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+def test_a_bf16_cpu_samples_and_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
+    # issue 24: --bf16 on a CPU with native bf16 autocasts sampling and every pass; the sampler's
+    # log probs are recorded and their distance from the learner's logged, and the policy still
+    # learns
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     history = ppo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01), task=digit_task()
     )
