@@ -20,7 +20,7 @@ extension in a labelled section, reaching the loop through one line tagged with 
 process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
 (arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071), TIS; micro-batches; then the
 run plumbing. Every flag defaults to the paper's GRPO. Departures: learning rate 1e-5 (the paper's
-1e-6 barely moves a 135M model in 30 steps), G = 8 and 4 questions per step, KL and ratio between
+1e-6 barely moves a 135M model in 30 steps), G = 8 and 8 questions per step, KL and ratio between
 temperature-scaled distributions. Where the paper leaves a choice open: process supervision makes
 the final answer one more step with the outcome reward; the iterative reward model regresses (MSE)
 on the verifiable reward.
@@ -90,9 +90,9 @@ class Args:
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
     total_steps: Annotated[int, Ge(1)] = 30  # steps: sample a batch, then --mu policy updates
-    prompts_per_step: Annotated[int, Ge(1)] = 4  # questions per step, --group-size outputs each
+    prompts_per_step: Annotated[int, Ge(1)] = 8  # questions per step, --group-size outputs each
     group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
-    max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
+    max_new_tokens: Annotated[int, Ge(1)] = 32  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set
     max_prompt_length: Annotated[int, Ge(1)] = 512
     # sampling temperature T; log probs use the same logits / T
