@@ -1,6 +1,7 @@
 """The README's main job, old against new, back to back on this machine (issue 24).
 
     python benchmarks/main_job.py --old a5430ef --seeds 1 2 3   # writes main_job_results.md
+    python benchmarks/main_job.py --seeds 2 3 --out /tmp/new.md   # this tree alone
 
 For each seed it runs `python grpo_lm.py --group-size 8 --seed S` (the main job, only its seed and
 run directory set) from a copy of the git ref ``--old``, then from this working tree, one at a time,
@@ -108,7 +109,7 @@ def rephrased_accuracy(tree: Path, model: Path, out: Path, env: dict) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--old", required=True, help="git ref of today's main job")
+    parser.add_argument("--old", help="git ref of today's main job (default: this tree alone)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "main_job_results.md"))
     parser.add_argument("extra", nargs="*", help="flags for both sides, after -- (a smoke run)")
@@ -116,49 +117,56 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="main-job-"))
     old = work / "old"
     old.mkdir()
-    archive = subprocess.run(["git", "archive", opts.old], cwd=ROOT, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    if opts.old:
+        archive = subprocess.run(["git", "archive", opts.old], cwd=ROOT, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     results = {}
     for seed in opts.seeds:
-        for side, tree in (("old", old), ("new", ROOT)):
+        for side, tree in (("old", old), ("new", ROOT))[0 if opts.old else 1 :]:
             results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", opts.extra)
             print(side, seed, json.dumps(results[side, seed]), flush=True)
     write(results, opts)
 
 
 def write(results: dict, opts) -> None:
+    sides = ["old", "new"] if opts.old else ["new"]
     mean = {
         side: {
             key: sum(results[side, s][key] for s in opts.seeds) / len(opts.seeds)
-            for key in results["old", opts.seeds[0]]
+            for key in results[side, opts.seeds[0]]
             if key != "accuracy"
         }
-        for side in ("old", "new")
+        for side in sides
     }
-    for side in ("old", "new"):
+    for side in sides:
         mean[side]["final_accuracy"] = sum(
             results[side, s]["accuracy"][-1][1] for s in opts.seeds
         ) / len(opts.seeds)
-    keys = list(mean["old"])
+
+    def row(k: str) -> str:  # a key's mean on each side, and new / old when there are two
+        cells = [f"{mean[side][k]:.3f}" for side in sides]
+        if opts.old:
+            cells.append(
+                f"{mean['new'][k] / mean['old'][k] if mean['old'][k] else float('nan'):.2f}"
+            )
+        return f"| {k} | {' | '.join(cells)} |"
+
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    old = f"--old {opts.old} " if opts.old else ""
     lines = [
         "# The main job, old against new (issue 24)",
         "",
-        f"CPU: {cpu()}. Date: {time.strftime('%Y-%m-%d')}. Old: `{opts.old}`; new: the working tree"
-        f" at `{head.stdout.decode().strip()}`.",
+        f"CPU: {cpu()}. Date: {time.strftime('%Y-%m-%d')}. Old: `{opts.old or '-'}`; new: the"
+        f" working tree at `{head.stdout.decode().strip()}`.",
         "",
-        f"Command: `python benchmarks/main_job.py --old {opts.old} --seeds "
+        f"Command: `python benchmarks/main_job.py {old}--seeds "
         f"{' '.join(map(str, opts.seeds))}{' -- ' + ' '.join(opts.extra) if opts.extra else ''}`;"
         " each run is `python grpo_lm.py --group-size 8 --seed S` (with those extra flags) from an"
         " empty model cache, one at a time.",
         "",
-        "| mean over seeds | old | new | new / old |",
-        "|-|-|-|-|",
-        *[
-            f"| {k} | {mean['old'][k]:.3f} | {mean['new'][k]:.3f} | "
-            f"{mean['new'][k] / mean['old'][k] if mean['old'][k] else float('nan'):.2f} |"
-            for k in keys
-        ],
+        "| mean over seeds | " + " | ".join(sides) + (" | new / old |" if opts.old else " |"),
+        "|-" * (len(sides) + 1 + bool(opts.old)) + "|",
+        *[row(k) for k in mean["new"]],
         "",
         "| run | held-out accuracy per evaluation (step: accuracy) | rephrased | wall |",
         "|-|-|-|-|",
@@ -168,7 +176,7 @@ def write(results: dict, opts) -> None:
             + f" | {results[side, s]['rephrased']:.3f} | "
             + f"{results[side, s]['wall_s'] / 60:.1f} min |"
             for s in opts.seeds
-            for side in ("old", "new")
+            for side in sides
         ],
     ]
     Path(opts.out).write_text("\n".join(lines) + "\n")
