@@ -88,7 +88,7 @@ class Args:
     missing_eos_penalty: Annotated[float, Ge(0)] = 0.0
     # PPO iterations: sample a batch, then --num-ppo-epochs x --num-minibatches updates
     total_steps: Annotated[int, Ge(1)] = 30
-    # questions sampled per step, one completion each (as many completions as grpo_lm's 4 x G=8)
+    # questions sampled per step, one completion each (grpo_lm's 4 x G=8 before 2026-11-25)
     prompts_per_step: Annotated[int, Ge(1)] = 32
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set

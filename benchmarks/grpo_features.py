@@ -8,10 +8,10 @@ against full fine-tuning.
     # rewrite the tables from finished runs
     python benchmarks/grpo_features.py --report-only
 
-Every run uses the budget of the README's main job (30 steps of 4 questions x G = 8 completions, lr
-1e-5, T 0.7, beta 0.04, held-out greedy accuracy on 128 questions) and changes only what its preset
-says:
-  full       the main job itself (addition, 64 new tokens)
+Every run uses the budget of the README's main job before 2026-11-25 (30 steps of 4 questions x
+G = 8 completions, lr 1e-5, T 0.7, beta 0.04, held-out greedy accuracy on 128 questions) and changes
+only what its preset says:
+  full       that main job itself (addition, 64 new tokens)
   lora       the same with --lora-rank 16 (alpha 32, every linear layer but the LM head) and lr
              1e-4 (adapters start at zero and need a larger step: LoRA's usual 10x)
   countdown  --task countdown --answer-format think --format-reward 0.1 --response-prefix

@@ -1,17 +1,18 @@
 """The README's main job, old against new, back to back on this machine (issue 24).
 
-    python benchmarks/main_job.py --old a5430ef --seeds 1 2 3   # writes main_job_results.md
-    python benchmarks/main_job.py --seeds 2 3 --out /tmp/new.md   # this tree alone
+    python benchmarks/main_job.py --old 85abcd7 --seeds 1 2 3   # writes benchmarks/out/main_job.md
+    python benchmarks/main_job.py --seeds 2 3                    # this tree alone
 
 For each seed it runs `python grpo_lm.py --group-size 8 --seed S` (the main job, only its seed and
-run directory set) from a copy of the git ref ``--old``, then from this working tree, one at a time,
-each from an empty model cache (so the GGUF conversion is in both). From each run's TensorBoard
-events it reads the held-out accuracy of every evaluation and the per-phase seconds (loading with
-the first evaluation, generation, training, the later evaluations, the rest), and from the process
-its wall time and peak RSS. Then each final model is evaluated on the held-out problems phrased
-another way ("What is a + b? Give the final answer as a number."): problems the training never saw,
-in a prompt it never saw. Writes a table of both sides and the ratios new / old, with the CPU
-(`lscpu` model and flags) and the commands.
+run directory set) from a copy of the git ref ``--old`` (if given), then from this working tree, one
+at a time, each from an empty model cache (so the GGUF conversion is in both). From each run's
+TensorBoard events it reads the held-out accuracy of every evaluation and the per-phase seconds
+(loading with the first evaluation, generation, training, the later evaluations, the rest), and from
+the process its wall time and peak RSS. Then each final model is evaluated on the held-out problems
+phrased another way ("What is a + b? Give the final answer as a number."): problems the training
+never saw, in a prompt it never saw. Writes a table of each side (and the ratios new / old), with
+the CPU (`lscpu` model and flags) and the command, to ``--out``; benchmarks/main_job_results.md
+collects those tables by hand.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--old", help="git ref of today's main job (default: this tree alone)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "main_job_results.md"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "main_job.md"))
     parser.add_argument("extra", nargs="*", help="flags for both sides, after -- (a smoke run)")
     opts = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="main-job-"))
@@ -179,6 +180,7 @@ def write(results: dict, opts) -> None:
             for side in sides
         ],
     ]
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
