@@ -116,21 +116,21 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="flags for both sides, after -- (a smoke run)")
     opts = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="main-job-"))
-    old = work / "old"
-    old.mkdir()
+    trees = {"new": ROOT}  # side -> the tree it runs from, old first
     if opts.old:
+        trees = {"old": work / "old", "new": ROOT}
+        trees["old"].mkdir()
         archive = subprocess.run(["git", "archive", opts.old], cwd=ROOT, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        subprocess.run(["tar", "-x", "-C", str(trees["old"])], input=archive.stdout, check=True)
     results = {}
     for seed in opts.seeds:
-        for side, tree in (("old", old), ("new", ROOT))[0 if opts.old else 1 :]:
+        for side, tree in trees.items():
             results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", opts.extra)
             print(side, seed, json.dumps(results[side, seed]), flush=True)
-    write(results, opts)
+    write(results, opts, list(trees))
 
 
-def write(results: dict, opts) -> None:
-    sides = ["old", "new"] if opts.old else ["new"]
+def write(results: dict, opts, sides: list[str]) -> None:
     mean = {
         side: {
             key: sum(results[side, s][key] for s in opts.seeds) / len(opts.seeds)
@@ -154,6 +154,7 @@ def write(results: dict, opts) -> None:
 
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
     old = f"--old {opts.old} " if opts.old else ""
+    columns = ["mean over seeds", *sides] + (["new / old"] if opts.old else [])
     lines = [
         "# The main job, old against new (issue 24)",
         "",
@@ -165,8 +166,8 @@ def write(results: dict, opts) -> None:
         " each run is `python grpo_lm.py --group-size 8 --seed S` (with those extra flags) from an"
         " empty model cache, one at a time.",
         "",
-        "| mean over seeds | " + " | ".join(sides) + (" | new / old |" if opts.old else " |"),
-        "|-" * (len(sides) + 1 + bool(opts.old)) + "|",
+        "| " + " | ".join(columns) + " |",
+        "|-" * len(columns) + "|",
         *[row(k) for k in mean["new"]],
         "",
         "| run | held-out accuracy per evaluation (step: accuracy) | rephrased | wall |",
