@@ -106,12 +106,10 @@ def _tyro(args_cls: type, argv: list[str], default: Any) -> Any:
         rows = [row.strip(" │|") for row in box.getvalue().splitlines()[1:]]  # row 0: the title
         paragraphs = [p for p in re.split(r"^[─-]*$", "\n".join(rows), flags=re.M) if p.strip()]
         message = " ".join(paragraphs[0].split()) if paragraphs else "cannot parse the command line"
+        choice = r"^invalid choice '(.*)' for argument '(--[\w-]+)'\. Expected one of (.*?)\.?$"
         for pattern, repl in [
             (r"^Error parsing (--[\w-]+): ", r"\1: "),
-            (
-                r"^invalid choice '(.*)' for argument '(--[\w-]+)'\. Expected one of (.*?)\.?$",
-                r"\2: invalid choice '\1'; expected one of \3",
-            ),
+            (choice, r"\2: invalid choice '\1'; expected one of \3"),
             (r"^Missing value for argument '(--[\w-]+)'.*$", r"\1: missing value"),
             (r"^Unrecognized options: ", "unrecognized options: "),
         ]:
@@ -1008,11 +1006,12 @@ def start_processes(threads: int, device: str) -> tuple[int, int, torch.device]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if "RANK" in os.environ:
-        if device.type == "cuda":
+        if device.type == "cuda":  # every process refuses: rank 0 would wait in the group
             local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            here = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
             check(
-                local < gpus,
-                f"--device: torchrun started process {local} on this machine but only {gpus} "
+                here <= gpus,
+                f"--device: torchrun started {here} processes on this machine but only {gpus} "
                 f"GPU(s) are visible; use --nproc_per_node <= {gpus}, or --device cpu for gloo",
             )
             device = torch.device("cuda", local)

@@ -288,6 +288,19 @@ def test_batch_not_divisible_by_the_world_size_is_one_line(script, tmp_path):
     )
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_more_processes_than_gpus_are_refused_by_every_process(rank, monkeypatch):
+    # torchrun --nproc_per_node 2 on a 1-GPU machine: rank 0 too refuses before it joins the
+    # process group (it waited there for rank 1, which had refused, until torchrun ended both)
+    env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "init_process_group", None)  # not to be reached
+    with pytest.raises(common.UsageError, match=r"started 2 processes on this machine but only 1"):
+        common.start_processes(0, "cuda")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("script", ["grpo_lm.py", "ppo_lm.py"])
 def test_nccl_on_one_gpu(script, tiny_model_dir, tmp_path):
