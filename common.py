@@ -455,8 +455,7 @@ class RunLog:
             except Exception as e:  # noqa: BLE001 - whatever wandb raises: one line
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
                 raise UsageError(f"--track: wandb.init failed: {why}") from None
-        # TensorBoard purges only the events it read first, reading files in name order (the second
-        # each was made in first): a resumed run's file is made in a later second
+        # TensorBoard purges reading files in name order (their second): a resumed run's goes last
         seconds = [int(f.name.split(".")[3]) for f in run_dir.glob("events.out.tfevents.*")]
         while resumed and seconds and int(time.time()) <= max(seconds):
             time.sleep(0.05)
@@ -473,9 +472,7 @@ class RunLog:
         if self.writer is not None:
             self.writer.flush()
         if self.bar is not None and "reward/mean" in scalars:
-            self.bar.set_postfix(
-                {label: f"{scalars[key]:.4g}" for label, key in self.postfix.items()}
-            )
+            self.bar.set_postfix({k: f"{scalars[v]:.4g}" for k, v in self.postfix.items()})
 
     def progress(self, start: int, total: int):
         """The steps ``start`` to ``total - 1``, shown as a progress bar on rank 0."""
@@ -723,23 +720,34 @@ def score_with_reward_model(model, ids, mask, batch_size: int, device, bf16: boo
 
 def load_policy(args: Any, device):
     """The policy pi_theta; with --lora-rank its LoRA adapters; with --gradient-checkpointing its
-    activations recomputed in the backward pass (in train mode only: see :func:`train_mode`)."""
+    activations recomputed (train mode only: :func:`train_mode`). On a CPU a tied input embedding
+    (SmolLM2's) adds only its rows to the head's gradient (sparse)."""
     policy = load_model(args.model_name_or_path, device=device).eval()
     if args.lora_rank:
         policy = add_lora(policy, args.lora_rank, args.lora_alpha, list(args.lora_target_modules))
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(policy)
+    embedding, head = policy.get_input_embeddings(), policy.get_output_embeddings()
+    embedding.sparse = embedding.weight is head.weight and torch.device(device).type == "cpu"
     return policy
 
 
 def load_reference(policy, args: Any, device):
-    """The reference pi_ref: a frozen copy of the initial policy; with --lora-rank the policy with
-    its adapter disabled (no second copy); None with --beta 0."""
+    """The reference pi_ref, the frozen initial policy (with --lora-rank the policy, adapter off;
+    None with --beta 0). Read by bf16 autocast alone (--bf16), one never reset (--iterations 1)
+    holds its Linear weights, not the LM head's, in bf16: the same log probs bit for bit, faster."""
     if args.beta == 0:
         return None
     if args.lora_rank:
         return WithoutAdapter(policy)
-    return load_model(args.model_name_or_path, device=device).eval().requires_grad_(False)
+    reference = load_model(args.model_name_or_path, device=device).eval().requires_grad_(False)
+    if getattr(args, "iterations", 1) == 1 and bf16_active(torch.device(device), args.bf16):
+        head = reference.get_output_embeddings().weight
+        linear = {id(m.weight) for m in reference.modules() if isinstance(m, torch.nn.Linear)}
+        for p in reference.parameters():  # all copied, so that the file's memory map is let go
+            bf16 = id(p) in linear and p is not head
+            p.data = p.data.to(torch.bfloat16 if bf16 else torch.float32, copy=True)
+    return reference
 
 
 @contextlib.contextmanager
@@ -909,6 +917,7 @@ def generate_completions(
         draw = DrawNextToken()
         processors = [TemperatureLogitsWarper(temperature)]
         processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        processors.append(draw)  # last: greedy decoding (do_sample=False) emits the token it drew
         with torch.no_grad(), bf16_autocast(device, bf16):
             cache, prefix = None, dict(input_ids=ids[:, :-1], attention_mask=att[:, :-1])
             if repeats > 1 and ids.shape[1] > 1 and not static_cache:  # each prompt once, not G x
@@ -916,17 +925,10 @@ def generate_completions(
                 cache = sampler(**prefix, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(repeats)
             ids, att = ids.repeat_interleave(repeats, 0), att.repeat_interleave(repeats, 0)
-            out = sampler.generate(
-                input_ids=ids,
-                attention_mask=att,
-                past_key_values=cache,
-                do_sample=False,  # the draw is DrawNextToken's: greedy emits the one token it left
-                logits_processor=[*processors, draw],
-                max_new_tokens=max_new_tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                cache_implementation="static" if static_cache else None,
-            )
+            kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            kw |= dict(max_new_tokens=max_new_tokens, past_key_values=cache, do_sample=False)
+            kw["cache_implementation"] = "static" if static_cache else None
+            out = sampler.generate(ids, attention_mask=att, logits_processor=processors, **kw)
         rows += out[:, ids.shape[1] :].tolist()
         if record:
             logps += torch.stack(draw.logps, 1).tolist()
@@ -934,12 +936,11 @@ def generate_completions(
 
 
 class DrawNextToken:
-    """The last logits processor of the sampler: it draws each row's next token from
-    ``softmax(scores)`` by inverse CDF, one uniform per row (torch.multinomial, which ``generate``
-    samples with, draws an exponential per vocabulary entry: 30 ms against 0.5 ms for (32, 49152)
-    on a 2-core CPU, a fifth of the main job's sampling), keeps its log prob in ``logps``, and
-    leaves the scores -inf except at that token, so that ``generate``'s greedy step emits it.
-    Raises UsageError: non-finite probabilities (the weights diverged)."""
+    """The sampler's last logits processor: each row's next token drawn from ``softmax(scores)`` by
+    inverse CDF, one uniform per row (``generate``'s torch.multinomial draws one per vocabulary
+    entry: 30 ms against 0.5 ms for (32, 49152) on a 2-core CPU), its log prob kept in ``logps``,
+    the scores left -inf but at that token for ``generate``'s greedy step. Raises UsageError:
+    non-finite probabilities (the weights diverged)."""
 
     def __init__(self):
         self.logps = []  # per step, (N,) the log prob of each drawn token

@@ -191,7 +191,7 @@ class Args:
 
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over the whole batch
-    micro_batch_size: Annotated[int, Ge(1)] = 8
+    micro_batch_size: Annotated[int, Ge(1)] = 16
     # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,

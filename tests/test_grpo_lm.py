@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -223,6 +224,56 @@ def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
         else:
             torch.testing.assert_close(out[True][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert (logp * att).abs().sum() > 0
+
+
+def test_the_tied_embedding_makes_a_sparse_gradient_with_the_same_sum(tiny_model_dir):
+    # on a CPU the policy's input embedding, tied to its LM head, gives autograd its looked-up rows
+    # only; the parameter's gradient stays dense and equals the dense embedding's to float rounding
+    args = SimpleNamespace(
+        model_name_or_path=str(tiny_model_dir), lora_rank=0, gradient_checkpointing=False
+    )
+    policy = common.load_policy(args, "cpu")
+    embedding = policy.get_input_embeddings()
+    assert embedding.sparse and embedding.weight is policy.get_output_embeddings().weight
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    prompt = tok(["12+30="], return_tensors="pt", add_special_tokens=False)
+    completions = torch.tensor([[3, 4, 2], [5, 2, 1]])
+    mb = grpo_lm.MicroBatch(
+        prompt["input_ids"], prompt["attention_mask"], torch.zeros(2, dtype=torch.long),
+        completions, grpo_lm.completion_mask(completions, tok.eos_token_id).long(),
+    )  # fmt: skip
+    grads = {}
+    for sparse in (True, False):
+        embedding.sparse = sparse
+        policy.zero_grad(set_to_none=True)
+        grpo_lm.token_log_probs(policy, mb, 0.7).sum().backward()
+        grads[sparse] = embedding.weight.grad
+    assert grads[True].layout == torch.strided  # what AdamW and clip_grad_norm_ take
+    torch.testing.assert_close(grads[True], grads[False], atol=1e-7, rtol=1e-6)
+    assert grads[True][completions[0, 0]].abs().sum() > 0
+
+
+def test_a_bf16_reference_gives_autocasts_log_probs_exactly(tiny_model_dir, monkeypatch):
+    # under --bf16 autocast the reference keeps its Linear weights (not the LM head's) in bf16:
+    # the same log probs, bit for bit, as the float32 reference under autocast; reset by
+    # --iterations > 1 from the float32 policy, it stays float32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    args = dict(model_name_or_path=str(tiny_model_dir), beta=0.04, lora_rank=0, bf16=True)
+    reference = common.load_reference(None, SimpleNamespace(**args, iterations=1), "cpu")
+    float32 = common.load_reference(None, SimpleNamespace(**args, iterations=2), "cpu")
+    dtypes = {p.dtype for p in float32.parameters()}
+    assert dtypes == {torch.float32} and reference.lm_head.weight.dtype == torch.float32
+    assert reference.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    prompt = tok(["12+30=", "1+1="], return_tensors="pt", padding=True, add_special_tokens=False)
+    completions = torch.tensor([[3, 4, 2], [5, 2, 1], [6, 6, 6], [7, 2, 1]])
+    mb = grpo_lm.MicroBatch(
+        prompt["input_ids"], prompt["attention_mask"], torch.tensor([0, 0, 1, 1]),
+        completions, grpo_lm.completion_mask(completions, tok.eos_token_id).long(),
+    )  # fmt: skip
+    with torch.no_grad(), common.bf16_autocast(torch.device("cpu"), True):
+        logp = [grpo_lm.token_log_probs(model, mb, 0.7) for model in (reference, float32)]
+    assert torch.equal(logp[0], logp[1]) and logp[0].dtype == torch.float32
 
 
 def test_reward_model_reads_the_last_real_token(tiny_reward_model_dir):
@@ -682,8 +733,8 @@ def test_the_sampler_draws_each_token_with_its_probability():
 
 
 def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):
-    plain = grpo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1), task=digit_task()
+    plain = grpo_lm.main(  # float32 also on a GPU, where --bf16 autocast records the mismatch
+        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1, bf16=False), task=digit_task()
     )
     fast = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, fast_generation=True, tis_cap=2.0),

@@ -350,7 +350,9 @@ def test_process_supervision_learns_from_step_rewards_alone(tiny_model_dir, tmp_
         0.0
     )  # no outcome signal at all: only the steps can teach
     outcome = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "o", total_steps=1), task=task)
-    assert outcome["optim/grad_norm"] == [0.0]  # outcome supervision: every advantage is 0
+    # outcome supervision: every advantage is 0, and the KL's gradient is 0 at the reference (to
+    # float rounding: log probs with and without grad may differ by ~5e-7 in 2-group micro-batches)
+    assert outcome["optim/grad_norm"][0] < 1e-7
     history = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path / "p", total_steps=15, supervision="process"),
         task=task,
