@@ -455,7 +455,7 @@ class RunLog:
             except Exception as e:  # noqa: BLE001 - whatever wandb raises: one line
                 why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
                 raise UsageError(f"--track: wandb.init failed: {why}") from None
-        # TensorBoard purges reading files in name order (their second): a resumed run's goes last
+        # TensorBoard purges in the first file by name (its second): the resumed run's must be later
         seconds = [int(f.name.split(".")[3]) for f in run_dir.glob("events.out.tfevents.*")]
         while resumed and seconds and int(time.time()) <= max(seconds):
             time.sleep(0.05)
