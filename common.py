@@ -643,12 +643,9 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
 def load_model(
     name_or_path, kind="causal-lm", device="cpu", flag="--model-name-or-path", trained_head=False
 ):
-    """A float32 model, dropout off everywhere (N+ details). A causal LM gets a neutral generation
-    config (its token ids only: a checkpoint's ``repetition_penalty`` ... must not reshape the
-    sampler's ``softmax(logits / T)``; :func:`save_pretrained` writes the checkpoint's own back).
-    ``kind="reward"``: a sequence classifier with one label (a reward or value head), which with
-    ``trained_head`` must be in the checkpoint. UsageError (naming ``flag``): nothing loadable, or
-    no trained head."""
+    """A float32 model, dropout off everywhere (N+ details). ``kind="reward"``: a sequence
+    classifier with one label (a reward or value head), which with ``trained_head`` must be in the
+    checkpoint. UsageError (naming ``flag``): nothing loadable, or no trained head."""
     import transformers
 
     auto, labels = transformers.AutoModelForCausalLM, {}
@@ -669,10 +666,6 @@ def load_model(
         f"({', '.join(new)} would be newly initialised): pass a sequence-classification reward "
         "model with num_labels=1",
     )
-    if kind == "causal-lm":
-        own = model.generation_config
-        ids = {k: getattr(own, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        model.generation_config = transformers.GenerationConfig(**ids)
     for obj in (model.config, *model.modules()):  # and the floats modules copied from the config
         if isinstance(obj, torch.nn.Dropout):
             obj.p = 0.0
@@ -833,20 +826,14 @@ def load_trained_weights(policy, weights: dict) -> None:
         raise KeyError("the checkpoint holds other adapters")
 
 
-def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
+def save_pretrained(model, tokenizer, out_dir: Path) -> None:
     """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
-    with the generation config of ``source``, the checkpoint it started from. Written to a temporary
-    directory, then renamed. Raises UsageError when a weight is non-finite (nothing is written) or
-    the directory cannot be written."""
-    from transformers import GenerationConfig
-
+    written to a temporary directory, then renamed. Raises UsageError when a weight is non-finite
+    (nothing is written) or the directory cannot be written."""
     bad = first_non_finite(model.state_dict())
     check(bad is None, f"refusing to write {out_dir}: {bad} holds non-finite values")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    neutral = model.generation_config
-    with contextlib.suppress(Exception):  # a source without one keeps the neutral config
-        model.generation_config = GenerationConfig.from_pretrained(resolve_model_path(source))
     tmp, old = (out_dir.with_name(f".{out_dir.name}.{suffix}") for suffix in ("tmp", "old"))
     try:
         for stale in (tmp, old):  # what a killed save left: whole model copies
@@ -860,8 +847,6 @@ def save_pretrained(model, tokenizer, out_dir: Path, source: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror or e}") from None
-    finally:
-        model.generation_config = neutral
 
 
 # ----------------------------------------------------------------------------------------------
@@ -896,67 +881,83 @@ def generate_completions(
     first: int,
     per_call: int = 0,
     bf16: bool = False,
-    static_cache: bool = False,
     record: bool = False,
 ) -> tuple[list[list[int]], list[list[float]] | None]:
     """``repeats`` completions of each prompt (contiguous; token lists padded after the EOS to their
-    call's longest), drawn from ``softmax(logits / temperature)`` within the top-p nucleus by
-    :class:`DrawNextToken` inside ``generate`` (the model's generation config is neutral). Prompts
-    go in calls of ``per_call`` (0: all), each after seeding torch from ``(*seed_keys, first + its
-    first prompt's index)``, ``first`` being this process's first prompt's global index. With
-    ``record``, also the log prob of each sampled token under the distribution it was drawn from
-    (else None). A distinct prompt goes through the model once (not with ``static_cache``), its KV
-    cache repeated. Raises UsageError: non-finite sampling probabilities (the weights diverged)."""
-    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
-
-    per_call = per_call or len(prompts)
+    call's longest), drawn by :func:`decode` with :class:`DrawNextToken`. Prompts go in calls of
+    ``per_call`` (0: all), each after seeding torch from ``(*seed_keys, first + its first prompt's
+    index)``, ``first`` being this process's first prompt's global index. With ``record``, also each
+    sampled token's log prob under the distribution it was drawn from (else None). Raises
+    UsageError: non-finite sampling probabilities (the weights diverged)."""
+    per_call, eos, pad = per_call or len(prompts), tokenizer.eos_token_id, tokenizer.pad_token_id
     rows, logps = [], [] if record else None
     for i in range(0, len(prompts), per_call):
         torch.manual_seed(sampling_seed(*seed_keys, first + i))
-        ids, att = pad_left(prompts[i : i + per_call], tokenizer.pad_token_id, device)
-        draw = DrawNextToken()
-        processors = [TemperatureLogitsWarper(temperature)]
-        processors += [TopPLogitsWarper(top_p)] if top_p < 1 else []
-        processors.append(draw)  # last: greedy decoding (do_sample=False) emits the token it drew
+        ids, att = pad_left(prompts[i : i + per_call], pad, device)
+        draw = DrawNextToken(temperature, top_p, rows=len(ids) * repeats)
         with torch.no_grad(), bf16_autocast(device, bf16):
-            cache, prefix = None, dict(input_ids=ids[:, :-1], attention_mask=att[:, :-1])
-            if repeats > 1 and ids.shape[1] > 1 and not static_cache:  # each prompt once, not G x
-                prefix["position_ids"] = (att.cumsum(1) - 1).clamp(min=0)[:, :-1]  # as generate's
-                cache = sampler(**prefix, use_cache=True).past_key_values
-                cache.batch_repeat_interleave(repeats)
-            ids, att = ids.repeat_interleave(repeats, 0), att.repeat_interleave(repeats, 0)
-            kw = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            kw |= dict(max_new_tokens=max_new_tokens, past_key_values=cache, do_sample=False)
-            kw["cache_implementation"] = "static" if static_cache else None
-            out = sampler.generate(ids, attention_mask=att, logits_processor=processors, **kw)
-        rows += out[:, ids.shape[1] :].tolist()
-        if record:
-            logps += torch.stack(draw.logps, 1).tolist()
+            rows += decode(sampler, ids, att, max_new_tokens, eos, pad, draw, repeats)
+        logps = logps + draw.logps if record else None
     return rows, logps
 
 
+def decode(model, ids, att, max_new_tokens: int, eos: int, pad: int, pick, repeats=1) -> list:
+    """``repeats`` completions (contiguous) of each left-padded prompt of ``ids`` (N, L), attention
+    mask ``att``, as token lists: up to ``max_new_tokens``, a row's up to its EOS, padded with
+    ``pad`` to the longest. ``pick(logits, rows)``: the next tokens (n,) of the n rows still going,
+    from their float32 logits (n, V); ``rows``: their indices in 0 .. N * repeats - 1. Each prompt
+    goes through the model once; a finished row leaves the batch (``generate`` decodes every row
+    until the last one ends)."""
+    n, x, cache = len(ids) * repeats, ids, None
+    out, going = ids.new_full((n, max_new_tokens), pad), torch.arange(n, device=ids.device)
+    for step in range(max_new_tokens):
+        pos = (att.cumsum(1) - 1).clamp(min=0)[:, -x.shape[1] :]
+        kw = dict(attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True)
+        result = model(input_ids=x, **kw, logits_to_keep=1)
+        cache, logits = result.past_key_values, result.logits[:, -1].float()
+        if step == 0:  # the prompts' keys and values, and next-token logits, for each repeat
+            cache.batch_repeat_interleave(repeats)
+            logits, att = logits.repeat_interleave(repeats, 0), att.repeat_interleave(repeats, 0)
+        token = pick(logits, going)
+        out[going, step] = token
+        left = (token != eos).nonzero()[:, 0]
+        if len(left) == 0:
+            break
+        if len(left) < len(going):  # finished rows leave the batch, their keys and values too
+            cache.batch_select_indices(left)
+            going, att, token = going[left], att[left], token[left]
+        x, att = token[:, None], torch.cat([att, att.new_ones(len(att), 1)], 1)
+    return out[:, : step + 1].tolist()
+
+
 class DrawNextToken:
-    """The sampler's last logits processor: each row's next token drawn from ``softmax(scores)`` by
-    inverse CDF, one uniform per row (``generate``'s torch.multinomial draws one per vocabulary
-    entry: 30 ms against 0.5 ms for (32, 49152) on a 2-core CPU), its log prob kept in ``logps``,
-    the scores left -inf but at that token for ``generate``'s greedy step. Raises UsageError:
-    non-finite probabilities (the weights diverged)."""
+    """The sampler's draw (a :func:`decode` ``pick``): each row's next token from ``softmax(logits /
+    temperature)`` within the top-p nucleus by inverse CDF, one uniform per row of the call at
+    every step, finished rows' too, so a row's draws do not depend on when the others end
+    (``generate``'s torch.multinomial draws one per vocabulary entry: 30 ms against 0.5 ms for (32,
+    49152) on a 2-core CPU); its log prob kept in ``logps[row]``. Raises UsageError: non-finite
+    probabilities (the weights diverged)."""
 
-    def __init__(self):
-        self.logps = []  # per step, (N,) the log prob of each drawn token
+    def __init__(self, temperature: float, top_p: float, rows: int):
+        from transformers import TopPLogitsWarper
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logp = scores.float().log_softmax(-1)
-        cdf = logp.exp().cumsum(-1)  # (N, V); its last column is 1 up to rounding
+        self.temperature, self.rows, self.logps = temperature, rows, [[] for _ in range(rows)]
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
+
+    def __call__(self, logits: torch.Tensor, going: torch.Tensor) -> torch.Tensor:
+        scores = logits.float() / self.temperature
+        logp = (self.top_p(None, scores) if self.top_p else scores).log_softmax(-1)
+        cdf = logp.exp().cumsum(-1)  # (n, V); its last column is 1 up to rounding
         check(
             bool(torch.isfinite(cdf[:, -1]).all()),
             "non-finite next-token probabilities while sampling: the policy's weights have "
             "diverged (check --learning-rate and --max-grad-norm)",
         )
-        u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]  # uniform in [0, total)
+        u = torch.rand(self.rows, 1, device=cdf.device)[going] * cdf[:, -1:]  # in [0, total)
         token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)
-        self.logps.append(logp.gather(1, token).squeeze(1))
-        return torch.full_like(scores, -torch.inf).scatter_(1, token, 0.0)
+        for row, lp in zip(going.tolist(), logp.gather(1, token)[:, 0].tolist(), strict=True):
+            self.logps[row].append(lp)
+        return token[:, 0]
 
 
 def bf16_sampler(policy):
@@ -971,14 +972,13 @@ def bf16_sampler(policy):
 
 def sampler_for(policy, args: Any, per_call: int) -> tuple[Any, dict]:
     """What samples step 1: the policy, or with --fast-generation its bf16 copy (refreshed in place
-    before every step's sampling, so CUDA graphs compiled for it stay valid), and
-    :func:`generate_completions`' options. ``record`` (the sampler's own log probs, for the mismatch
-    log and TIS) is on when the sampler is not the trained module in float32."""
+    before every step's sampling), and :func:`generate_completions`' options. ``record`` (the
+    sampler's own log probs, for the mismatch log and TIS) is on when the sampler is not the trained
+    module in float32."""
     model = bf16_sampler(policy) if args.fast_generation else policy
     record = model is not policy or bf16_active(policy.device, args.bf16)
-    options = dict(temperature=args.temperature, top_p=args.top_p, per_call=per_call)
-    options.update(max_new_tokens=args.max_new_tokens, record=record)
-    options.update(bf16=args.bf16 and not args.fast_generation, static_cache=args.fast_generation)
+    options = dict(temperature=args.temperature, top_p=args.top_p, per_call=per_call, record=record)
+    options.update(max_new_tokens=args.max_new_tokens, bf16=args.bf16 and model is policy)
     return model, options
 
 

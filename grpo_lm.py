@@ -202,8 +202,7 @@ class Args:
     # log probs: each group's prompt through the model once, its keys/values shared by its G outputs
     # (off: whole sequences)
     share_prompt: bool = True
-    # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
-    # transformers compiles on CUDA
+    # sample from a bfloat16 copy of the policy (refreshed every step), not under --bf16 autocast
     fast_generation: bool = False
     # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
     # the trained module (--fast-generation, --bf16), weight each token's surrogate by
@@ -575,7 +574,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)
     log.close()
     if rank == 0 and args.total_steps > start_step:
-        common.save_pretrained(policy, tokenizer, run_dir / "final_model", args.model_name_or_path)
+        common.save_pretrained(policy, tokenizer, run_dir / "final_model")
         print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
     common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
     return log.history
@@ -642,9 +641,9 @@ def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Bat
 @dataclass
 class Sampler:
     """What steps 1-2 sample with and score by. With --fast-generation the model is a bfloat16 copy
-    of the policy with a static KV cache (compiled on CUDA); log probs for the loss always come from
-    the policy, so a bf16 sampler draws from a slightly different distribution than the ratio and
-    the KL assume: the gap is logged (sampling/logp_diff_*) and --tis-cap corrects it."""
+    of the policy; log probs for the loss always come from the policy, so a bf16 sampler draws from
+    a slightly different distribution than the ratio and the KL assume: the gap is logged
+    (sampling/logp_diff_*) and --tis-cap corrects it."""
 
     model: Any  # what generates: the policy itself, or its bfloat16 copy (--fast-generation)
     options: dict  # common.generate_completions' options (temperature, top-p, lengths, ...)

@@ -181,8 +181,7 @@ class Args:
     # recompute the policy's and the value model's activations in the backward pass: less memory,
     # ~30% slower
     gradient_checkpointing: bool = False
-    # sample from a bfloat16 copy of the policy (refreshed every step) with a static KV cache, which
-    # transformers compiles on CUDA
+    # sample from a bfloat16 copy of the policy (refreshed every step), not under --bf16 autocast
     fast_generation: bool = False
     # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
     # the trained module (--fast-generation, --bf16), weight each token's surrogate by
@@ -527,7 +526,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
     log.close()
     if rank == 0 and args.total_steps > start_step:
-        common.save_pretrained(policy, tokenizer, run_dir / "final_model", args.model_name_or_path)
+        common.save_pretrained(policy, tokenizer, run_dir / "final_model")
         print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
     common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
     return log.history
@@ -642,10 +641,10 @@ def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
 @dataclasses.dataclass
 class Sampler:
     """What step 1 samples with (``common.sampler_for``): the policy itself, or with
-    --fast-generation its bfloat16 copy with a static KV cache, which transformers compiles on CUDA,
-    refreshed in place before every rollout. Log probs for the loss always come from the policy, so
-    a bf16 sampler draws from a slightly different distribution than the ratio and the KL assume:
-    the gap is logged every step (sampling/logp_diff_*) and --tis-cap corrects it."""
+    --fast-generation its bfloat16 copy, refreshed in place before every rollout. Log probs for the
+    loss always come from the policy, so a bf16 sampler draws from a slightly different distribution
+    than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and
+    --tis-cap corrects it."""
 
     model: Any  # what generates: the policy, or its bfloat16 copy
     options: dict  # common.generate_completions' options; "record": keep the sampler's log probs

@@ -298,7 +298,7 @@ def test_save_pretrained_removes_the_temporary_directories_a_killed_save_left(
         common.load_model(str(tiny_model_dir)),
         common.load_tokenizer(str(tiny_model_dir)),
     )
-    common.save_pretrained(model, tokenizer, tmp_path / "final_model", str(tiny_model_dir))
+    common.save_pretrained(model, tokenizer, tmp_path / "final_model")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".final_model.notes",
         ".other_model.abc123",

@@ -668,7 +668,7 @@ def test_sampler_log_probs_are_recorded_under_the_distribution_drawn_from(tiny_m
     rows, recorded = common.generate_completions(
         model, prompts, 3, tok, torch.device("cpu"), **kw, record=True
     )
-    recorded = torch.tensor(recorded)
+    recorded = torch.tensor([r + [0.0] * (len(rows[0]) - len(r)) for r in recorded])
     rows_again, none = common.generate_completions(
         model, prompts, 3, tok, torch.device("cpu"), **kw
     )
@@ -694,8 +694,8 @@ def test_sampler_log_probs_are_recorded_under_the_distribution_drawn_from(tiny_m
 
 
 def test_each_distinct_prompt_is_prefilled_once_with_the_same_samples(tiny_model_dir):
-    # generate_completions: the prompts but their last token go through the model once (2 rows, not
-    # 2 x 4), and the draws and their log probs are those of the same 8 prompts given one by one
+    # generate_completions: each distinct prompt goes through the model once (2 rows, not 2 x 4),
+    # and the draws and their log probs are those of the same 8 prompts given one by one
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 2 + 3?")]
@@ -706,30 +706,73 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_same_samples(tiny_model
     )
     cpu = torch.device("cpu")
     rows, logps = common.generate_completions(model, prompts, 4, tok, cpu, **kw, record=True)
-    assert shapes[:2] == [(2, 13), (8, 1)]  # the prefixes once, then each row's last prompt token
+    assert shapes[:2] == [(2, 14), (8, 1)]  # the prompts once, then each row's first token
     shapes.clear()
     each = [p for p in prompts for _ in range(4)]
     rows_each, logps_each = common.generate_completions(model, each, 1, tok, cpu, **kw, record=True)
     assert shapes[0] == (8, 14)  # every row's whole prompt
     assert rows == rows_each
-    torch.testing.assert_close(torch.tensor(logps), torch.tensor(logps_each), atol=1e-5, rtol=0)
+    for row, row_each in zip(logps, logps_each, strict=True):
+        torch.testing.assert_close(row, row_each, atol=1e-5, rtol=0)
+
+
+def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir):
+    # common.decode: each prompt goes through the model once, then a row that emitted EOS leaves
+    # the batch (each forward pass sees only the rows still going); the tokens and log probs are
+    # those of transformers' generate on the repeated prompts with the same draw as its last logits
+    # processor (one uniform per row of the call at every step); greedy too
+    model = common.load_model(str(tiny_model_dir)).eval()
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 2 + 3?")]
+    ids, att = common.pad_left(prompts, tok.pad_token_id)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, k: seen.append(len(k["input_ids"])), with_kwargs=True
+    )
+    torch.manual_seed(0)
+    draw = common.DrawNextToken(1.0, 1.0, rows=16)
+    with torch.no_grad():
+        rows = common.decode(model, ids, att, 40, eos, pad, draw, repeats=8)
+    hook.remove()
+    lengths = grpo_lm.completion_mask(torch.tensor(rows), eos).sum(1).long().tolist()
+    longest = max(lengths)
+    assert min(lengths) < longest == len(seen)  # some rows end early
+    assert seen == [2] + [sum(n > t for n in lengths) for t in range(1, longest)]
+
+    def processor(draw):  # the draw as generate's last logits processor, greedy emits its token
+        def call(input_ids, scores):
+            token = draw(scores, torch.arange(len(scores)))
+            return torch.full_like(scores, -torch.inf).scatter_(1, token[:, None], 0.0)
+
+        return call
+
+    torch.manual_seed(0)
+    by_generate = common.DrawNextToken(1.0, 1.0, rows=16)
+    ids, att = ids.repeat_interleave(8, 0), att.repeat_interleave(8, 0)
+    kw = dict(attention_mask=att, max_new_tokens=40, pad_token_id=pad, eos_token_id=eos)
+    out = model.generate(ids, logits_processor=[processor(by_generate)], do_sample=False, **kw)
+    assert rows == out[:, ids.shape[1] :].tolist()
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(draw.logps[row], by_generate.logps[row][:n])
+    with torch.no_grad():
+        greedy = common.decode(model, ids, att, 40, eos, pad, lambda logits, _: logits.argmax(-1))
+    assert greedy == model.generate(ids, do_sample=False, **kw)[:, ids.shape[1] :].tolist()
 
 
 def test_the_sampler_draws_each_token_with_its_probability():
     # DrawNextToken's inverse-CDF draw: 40,000 draws from p = (0.5, 0.3, 0.2, 0) land on each
     # token with frequency p (binomial std <= 0.0025), never on the token of probability 0
-    draw = common.DrawNextToken()
+    draw = common.DrawNextToken(temperature=1.0, top_p=1.0, rows=40_000)
     scores = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log().expand(40_000, 4)
     torch.manual_seed(0)
-    out = draw(None, scores)
-    token = out.argmax(1)
-    assert (out.isinf().sum(1) == 3).all()  # one finite score per row: greedy emits that token
+    token = draw(scores, torch.arange(40_000))
     freq = torch.bincount(token, minlength=4).float() / len(token)
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.01, rtol=0)
-    logp = torch.stack(draw.logps, 1).squeeze(1)
+    logp = torch.tensor(draw.logps).squeeze(1)
     torch.testing.assert_close(logp, scores.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
     with pytest.raises(common.UsageError, match="non-finite next-token probabilities"):
-        draw(None, torch.tensor([[0.0, float("nan")]]))
+        draw(torch.tensor([[0.0, float("nan")]]), torch.tensor([0]))
 
 
 def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):

@@ -19,61 +19,34 @@ def _with_generation_config(path, **fields):
 
 def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
     # Trust I item 1: a checkpoint's generation_config.json (here repetition_penalty 1.5, as many
-    # instruct models ship) must not change what `generate` samples from: the ratio and the KL
-    # assume softmax(logits / T). The sampler's own log probs (generate's processed scores) must
-    # equal the training pass's.
+    # instruct models ship) must not change what the sampler draws from: the ratio and the KL
+    # assume softmax(logits / T). The sampler's own log probs must equal the training pass's.
     path = _with_generation_config(
         make_tiny_model(tmp_path / "m"),
         repetition_penalty=1.5,
         no_repeat_ngram_size=2,
         min_new_tokens=4,
         suppress_tokens=[5, 6],
+        do_sample=True,
     )
     model = common.load_model(str(path)).eval()
     tok = common.load_tokenizer(str(path))
-    prompts = tok(
-        ["1+1=", "What is 12 + 30?"], return_tensors="pt", padding=True, add_special_tokens=False
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 12 + 30?")]
+    kw = dict(temperature=0.7, top_p=1.0, max_new_tokens=10, seed_keys=(0,), first=0, record=True)
+    cpu = torch.device("cpu")
+    rows, sampler = common.generate_completions(model, prompts, 4, tok, cpu, **kw)
+    completions = torch.tensor(rows)
+    mask = grpo_lm.completion_mask(completions, tok.eos_token_id)
+    ids, att = common.pad_left(prompts, tok.pad_token_id)
+    micro_batch = grpo_lm.MicroBatch(
+        ids, att, torch.arange(2).repeat_interleave(4), completions, mask.long()
     )
-    ids = prompts["input_ids"].repeat_interleave(4, 0)
-    att = prompts["attention_mask"].repeat_interleave(4, 0)
-    torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=att,
-            do_sample=True,
-            temperature=0.7,
-            top_p=1.0,
-            top_k=0,
-            max_new_tokens=10,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-        completions = out.sequences[:, ids.shape[1] :]
-        mask = grpo_lm.completion_mask(completions, tok.eos_token_id)
-        sampler = (
-            torch.stack(out.scores, 1)
-            .log_softmax(-1)
-            .gather(2, completions.unsqueeze(-1))
-            .squeeze(-1)
-        )
-        learner = grpo_lm.token_log_probs(
-            model,
-            grpo_lm.MicroBatch(
-                prompts["input_ids"],
-                prompts["attention_mask"],
-                torch.arange(2).repeat_interleave(4),
-                completions,
-                mask.long(),
-            ),
-            0.7,
-        )
+        learner = grpo_lm.token_log_probs(model, micro_batch, 0.7)
     assert mask.sum() > 16
+    sampler = torch.tensor([r + [0.0] * (completions.shape[1] - len(r)) for r in sampler])
     valid = mask.bool()
     torch.testing.assert_close(sampler[valid], learner[valid], atol=2e-5, rtol=0)
-    assert model.generation_config.repetition_penalty in (None, 1.0)
 
 
 def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
@@ -81,7 +54,7 @@ def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
     # with
     path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
     model = common.load_model(str(path))
-    common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out", str(path))
+    common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert saved["repetition_penalty"] == 1.5
     assert (tmp_path / "out" / "config.json").is_file() and (
@@ -90,7 +63,7 @@ def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
 
 
 def test_an_error_writing_the_checkpoints_generation_config_is_not_swallowed(tmp_path, monkeypatch):
-    # only a source without a generation config keeps the neutral one; a failed write is one line
+    # a failed write of the model's generation config is one line, and nothing is left behind
     from transformers import GenerationConfig
 
     path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
@@ -103,9 +76,8 @@ def test_an_error_writing_the_checkpoints_generation_config_is_not_swallowed(tmp
 
     monkeypatch.setattr(GenerationConfig, "save_pretrained", disk_full_for_the_checkpoints)
     with pytest.raises(common.UsageError, match="cannot write .*out: No space left on device"):
-        common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out", str(path))
+        common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    assert model.generation_config.repetition_penalty in (None, 1.0)  # the sampler's stays neutral
 
 
 def _pad_is_eos_reward_model(path):

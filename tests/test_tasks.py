@@ -4,6 +4,7 @@ think/answer format, Countdown. Hand-computed values; no model is loaded."""
 import json
 import math
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -241,15 +242,20 @@ def test_gsm8k_real_file_line_numbers_and_speed():
 # User code that fails: one line naming the task or file:function and the completion's index
 # ---------------------------------------------------------------------------------------------
 class FixedPolicy:
-    """A stand-in for ``generate``: appends the same characters to every prompt (char tokenizer
-    ids)."""
+    """A stand-in causal LM for ``common.decode``: every row's completion is ``text`` (tokenizer
+    ids), whatever the prompt; ``prompts``: the token ids it was first called with."""
 
     def __init__(self, tokenizer, text: str):
         self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.vocab = len(tokenizer)
 
-    def generate(self, input_ids, attention_mask, **kwargs):
-        self.prompts = input_ids.tolist()
-        return torch.cat([input_ids, torch.tensor([self.ids] * len(input_ids))], 1)
+    def __call__(self, input_ids, past_key_values=None, **kwargs):
+        if past_key_values is None:  # the prompts; the "cache" counts the tokens given since
+            self.prompts, past_key_values = input_ids.tolist(), mock.Mock(step=0)
+        logits = torch.zeros(len(input_ids), 1, self.vocab)
+        logits[:, :, self.ids[min(past_key_values.step, len(self.ids) - 1)]] = 1.0
+        past_key_values.step += 1
+        return mock.Mock(logits=logits, past_key_values=past_key_values)
 
 
 def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
