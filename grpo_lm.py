@@ -171,7 +171,7 @@ class Args:
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy decoding call
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
     save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
     # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
@@ -192,7 +192,7 @@ class Args:
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 16
-    # groups per generate call (0 = all of a process's); samples depend on --seed, step and groups
+    # groups per sampling call (0 = all of a process's); samples depend on --seed, step and groups
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
     # optimizer, LM head and log-softmax stay float32); float32 elsewhere
@@ -586,7 +586,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
 def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: int = 0) -> Batch:
     """Steps 1-2 for one draw of questions, from ``(--seed, step, round_)``: this process's B
     questions, G completions of each from ``softmax(logits / T)`` (within the top-p nucleus), and
-    their rewards (:func:`reward`). Each generate call of --generation-groups-per-call groups is
+    their rewards (:func:`reward`). Each sampling call of --generation-groups-per-call groups is
     reseeded from ``(--seed, step, round_, global index of its first group)``: the samples do not
     depend on how many processes share the batch."""
     G, tokenizer, pad = args.group_size, sampler.tokenizer, sampler.tokenizer.pad_token_id

@@ -151,7 +151,7 @@ class Args:
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy generate call
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy decoding call
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
     save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
     # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
@@ -172,7 +172,7 @@ class Args:
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over a minibatch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    # prompts per generate call (0 = all of a process's); samples depend only on --seed, the step
+    # prompts per sampling call (0 = all of a process's); samples depend only on --seed, the step
     # and the calls' prompts
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
@@ -804,7 +804,7 @@ def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
     autocast; ``sampler_logp`` None otherwise: nothing)."""
     if sampler_logp is None:
         return {}
-    # -inf past the EOS with --top-p < 1
+    # past the EOS: padding (-inf from the sampler of 2026-11-25 with --top-p < 1)
     diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
     return {

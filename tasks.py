@@ -554,15 +554,15 @@ def greedy_accuracy(
     """(fraction of ``examples`` that ``correct_fn`` finds right, responses: prefix + completion)
     by greedy decoding of :func:`build_prompt`'s prompts. UsageError: as :func:`score_correct`."""
     style = prompt_style(answer_format, system_prompt, response_prefix)
-    ids = (max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    limits = (max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    greedy = lambda logits, rows: logits.argmax(-1)  # noqa: E731
     what, correct, outputs = f"correct_fn of task {task_name!r}", 0, []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
         prompts = [build_prompt(tokenizer, ex["question"], *style) for ex in batch]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         enc = enc.to(device)
-        greedy = lambda logits, rows: logits.argmax(-1)  # noqa: E731
-        new = decode(policy, enc["input_ids"], enc["attention_mask"], *ids, greedy)
+        new = decode(policy, enc["input_ids"], enc["attention_mask"], *limits, greedy)
         texts = [style[1] + c for c in tokenizer.batch_decode(new, skip_special_tokens=True)]
         correct += sum(_checked_scores(correct_fn, what, texts, batch, start, unit=True))
         outputs += texts

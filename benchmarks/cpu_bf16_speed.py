@@ -6,10 +6,10 @@ On the default model (SmolLM2-135M-Instruct) and the main job's shapes before 20
 questions, G = 8, up to 64 new tokens, micro-batches of 8 completions sharing one prompt), it times,
 float32 and then bf16 autocast (LM head and log-softmax in float32, as grpo_lm.float32_lm_head
 does), alternating the two and keeping each one's fastest of --repeats: the sampling of the 32
-completions (``generate``), the no-grad log-prob pass of steps 4 and the forward + backward of step
-5, and torch.multinomial against the exponential race (Gumbel-max) on one (32, V) distribution. It
-reports the log-prob gap bf16 makes (|logp_bf16 - logp_fp32| per token, what sampling/logp_diff_*
-logs) and the CPU's flags.
+completions (``common.generate_completions``), the no-grad log-prob pass of steps 4 and the
+forward + backward of step 5, and torch.multinomial against the exponential race (Gumbel-max) on one
+(32, V) distribution. It reports the log-prob gap bf16 makes (|logp_bf16 - logp_fp32| per token,
+what sampling/logp_diff_* logs) and the CPU's flags.
 """
 
 from __future__ import annotations

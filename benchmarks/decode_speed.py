@@ -8,8 +8,8 @@ through the model once and its keys and values repeated (as common.generate_comp
 --bf16 autocast where it takes effect. A trained policy answers in 12-15 tokens but a straggler or
 two run to the cap, and ``generate`` decodes every row until the last one ends; so each row's EOS is
 forced at the length it had in a batch of a trained model (``TRAINED``: the main job's final
-policy, seed 1), the tokens before it drawn as the sampler draws them. Timed, alternating, fastest of
---repeats: ``generate`` (the sampler before 2026-11-26: the prompts but their last token through
+policy, seed 1), the tokens before it drawn as the sampler draws them. Timed, alternating, fastest
+of --repeats: ``generate`` (the sampler before 2026-11-26: the prompts but their last token through
 the model once, then ``generate`` on the repeated rows), ``decode``, and from --fast-generation's
 bf16 copy of the policy ``decode`` and ``generate`` with a static cache (what --fast-generation
 did before: compiled on CUDA, its first call with the compilation). Prints a table.

@@ -1049,8 +1049,8 @@ READING_GPU = [
     "sampled tokens): eager `generate` with float32 weights under bf16 autocast takes 1.8-3.8 s; a "
     "bfloat16 copy of the model with a static KV cache, which transformers compiles (CUDA graphs), "
     "takes 0.26-0.45 s after a one-off 35 s compile, for prompt lengths 40-47 and after an "
-    "in-place weight refresh. grpo_lm.py's `--fast-generation` samples that way; it is tested on "
-    "the CPU only and has not yet been run side by side with TRL on a GPU.",
+    "in-place weight refresh. grpo_lm.py's `--fast-generation` sampled that way until 2026-11-26 "
+    "(it is now a bf16 copy alone, sampled by common.decode, docs/scale.md).",
     "- Reward curves (below), three seeds, 30 steps: mean batch reward over all steps 0.381, "
     "0.310, 0.474 for grpo_lm against 0.366, 0.417, 0.399 for TRL (means 0.388 and 0.394); last 5 "
     "steps 0.512, 0.588, 0.606 against 0.675, 0.644, 0.487. grpo_lm's three seeds span 0.16 and "
@@ -1485,8 +1485,7 @@ def main() -> None:
     sp.add_argument(
         "--fast-generation",
         action="store_true",
-        help="grpo_lm.py --fast-generation: sample from a bf16 copy with a static, compiled KV "
-        "cache (GPU)",
+        help="grpo_lm.py --fast-generation: sample from a bf16 copy of the policy",
     )
     sp.add_argument(
         "--no-share-prompt",

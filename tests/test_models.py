@@ -27,9 +27,10 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
         no_repeat_ngram_size=2,
         min_new_tokens=4,
         suppress_tokens=[5, 6],
-        do_sample=True,
+        do_sample=True,  # generate's own sampling, which the sampler must not turn on either
     )
     model = common.load_model(str(path)).eval()
+    assert model.generation_config.repetition_penalty == 1.5  # loaded, and ignored below
     tok = common.load_tokenizer(str(path))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 12 + 30?")]
     kw = dict(temperature=0.7, top_p=1.0, max_new_tokens=10, seed_keys=(0,), first=0, record=True)
@@ -50,8 +51,7 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
 
 
 def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
-    # the neutral sampling config is for training only: a saved model keeps the settings it came
-    # with
+    # the checkpoint's generation config passes through loading and saving untouched
     path = _with_generation_config(make_tiny_model(tmp_path / "m"), repetition_penalty=1.5)
     model = common.load_model(str(path))
     common.save_pretrained(model, common.load_tokenizer(str(path)), tmp_path / "out")
@@ -62,7 +62,7 @@ def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
     ).is_file()
 
 
-def test_an_error_writing_the_checkpoints_generation_config_is_not_swallowed(tmp_path, monkeypatch):
+def test_a_failed_write_of_the_final_model_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     # a failed write of the model's generation config is one line, and nothing is left behind
     from transformers import GenerationConfig
 

@@ -243,10 +243,10 @@ def test_gsm8k_real_file_line_numbers_and_speed():
 # ---------------------------------------------------------------------------------------------
 class FixedPolicy:
     """A stand-in causal LM for ``common.decode``: every row's completion is ``text`` (tokenizer
-    ids), whatever the prompt; ``prompts``: the token ids it was first called with."""
+    ids) then EOS, whatever the prompt; ``prompts``: the token ids it was first called with."""
 
     def __init__(self, tokenizer, text: str):
-        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         self.vocab = len(tokenizer)
 
     def __call__(self, input_ids, past_key_values=None, **kwargs):
@@ -292,8 +292,8 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
     )
     tok = make_tokenizer()
     acc, texts = tasks.greedy_accuracy(
-        FixedPolicy(tok, "3"), tok, ex[:2], tasks.number_matches, 1, 1, "cpu"
-    )
+        FixedPolicy(tok, "3"), tok, ex[:2], tasks.number_matches, 8, 1, "cpu"
+    )  # EOS ends each completion before the 8 tokens
     assert (acc, texts) == (1.0, ["3", "3"])
     one_line_error(
         tasks.greedy_accuracy,
@@ -461,7 +461,7 @@ def test_greedy_accuracy_prompts_with_the_prefix_and_checks_prefix_plus_completi
         tok,
         ex,
         lambda r, e: r == "So: 3",
-        2,
+        8,
         1,
         "cpu",
         system_prompt="Add.",
