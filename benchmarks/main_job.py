@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,7 @@ def run(tree: Path, seed: int, out: Path, name: str, extra: list[str]) -> dict:
     # holds the loading: nothing is logged before it)
     later = sum(t - max(x for x in times if x < t) for t, step, _ in evals[1:])
     loading = evals[0][0] - start
-    return {
+    result = {
         "wall_s": wall,
         "peak_rss_gb": usage.ru_maxrss / 2**20,  # KiB on Linux
         "loading_and_first_eval_s": loading,
@@ -88,6 +89,12 @@ def run(tree: Path, seed: int, out: Path, name: str, extra: list[str]) -> dict:
         "accuracy": [(step, v) for _, step, v in evals],
         "rephrased": rephrased_accuracy(tree, out / name / "final_model", out, env),
     }
+    # the run's model copies (its converted default model, checkpoint and final model, 2.7 GB a run:
+    # a sweep of them filled this machine's disk) go; its TensorBoard events and args.json stay
+    shutil.rmtree(home)
+    shutil.rmtree(out / name / "final_model")
+    (out / name / "checkpoint.pt").unlink(missing_ok=True)
+    return result
 
 
 def rephrased_accuracy(tree: Path, model: Path, out: Path, env: dict) -> float:
