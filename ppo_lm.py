@@ -804,7 +804,7 @@ def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
     autocast; ``sampler_logp`` None otherwise: nothing)."""
     if sampler_logp is None:
         return {}
-    # past the EOS: padding (-inf from the sampler of 2026-11-25 with --top-p < 1)
+    # the tokens in the loss only: past the EOS stands padding
     diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)
     total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
     return {

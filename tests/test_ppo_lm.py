@@ -691,8 +691,8 @@ def test_truncated_importance_sampling_weights_the_surrogate():
 
 
 def test_sampler_mismatch_reads_valid_tokens_only():
-    # whatever stands past the EOS in the sampler's log probs (padding; here -inf, a token outside
-    # the nucleus, as generate's samples could record with --top-p < 1) is masked out
+    # whatever stands past the EOS in the sampler's log probs (here -inf, which must not leak into
+    # the mean or the max) is masked out
     old = torch.tensor([[-1.0, -2.0, -3.0]])
     sampler = torch.tensor([[-1.5, -2.0, -math.inf]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
