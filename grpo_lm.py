@@ -89,10 +89,10 @@ class Args:
     system_prompt: str | None = None
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
-    total_steps: Annotated[int, Ge(1)] = 30  # steps: sample a batch, then --mu policy updates
+    total_steps: Annotated[int, Ge(1)] = 36  # steps: sample a batch, then --mu policy updates
     prompts_per_step: Annotated[int, Ge(1)] = 8  # questions per step, --group-size outputs each
     group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
-    max_new_tokens: Annotated[int, Ge(1)] = 32  # maximum completion length in tokens
+    max_new_tokens: Annotated[int, Ge(1)] = 20  # maximum completion length in tokens
     # prompts longer than this many tokens are dropped from the training set
     max_prompt_length: Annotated[int, Ge(1)] = 512
     # sampling temperature T; log probs use the same logits / T
@@ -168,7 +168,7 @@ class Args:
     runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
     run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
     # greedy held-out accuracy every N steps, and at the start and end (0: only there)
-    eval_every: Annotated[int, Ge(0)] = 10
+    eval_every: Annotated[int, Ge(0)] = 12
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
     eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy decoding call

@@ -579,7 +579,7 @@ def test_dapo_flags_run_together(tiny_model_dir, tmp_path):
         ({"scale_rewards": "std"}, "--scale-rewards: must be"),
         ({"importance_sampling_level": "seq"}, "--importance-sampling-level: must be"),
         ({"supervision": "steps"}, "--supervision: must be 'outcome' or 'process'"),
-        ({"iterations": 7}, "--iterations 7 must divide --total-steps 30"),
+        ({"iterations": 7}, "--iterations 7 must divide --total-steps 36"),
         ({"overlong_buffer": 64}, "--overlong-buffer must be in [0, --max-new-tokens)"),
         ({"rm_replay_ratio": 1.0}, "--rm-replay-ratio: must be less than 1"),
         ({"clip_range_high": 0.0}, "--clip-range-high: must be greater than 0"),
