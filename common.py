@@ -237,7 +237,7 @@ def set_rng_state(state: dict) -> None:
 def first_non_finite(obj: Any) -> str | None:
     """The key path (e.g. ``optimizer.state.0.exp_avg``) of the first floating tensor or array in
     ``obj`` (nested dicts, lists, tuples) that holds a NaN or an inf; None when all are finite. One
-    sync per device."""
+    sync per device: the norms (a tensor whose norm is NaN or inf is then checked element-wise)."""
     leaves = {}
 
     def walk(x, path):
@@ -253,9 +253,9 @@ def first_non_finite(obj: Any) -> str | None:
     finite = {}
     for device in {x.device for x in leaves.values()}:
         group = {path: x for path, x in leaves.items() if x.device == device}
-        flags = torch.stack([torch.isfinite(x).all() for x in group.values()]).tolist()
-        finite.update(zip(group, flags, strict=True))
-    return next((path for path in leaves if not finite[path]), None)
+        norms = torch.stack([torch.linalg.vector_norm(x).float() for x in group.values()])
+        finite |= dict(zip(group, norms.isfinite().tolist(), strict=True))
+    return next((p for p in leaves if not (finite[p] or leaves[p].isfinite().all())), None)
 
 
 def atomic_save(obj: Any, path: str | os.PathLike) -> None:

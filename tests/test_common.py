@@ -306,6 +306,14 @@ def test_save_pretrained_removes_the_temporary_directories_a_killed_save_left(
     ]
 
 
+def test_first_non_finite_passes_finite_tensors_whose_norm_overflows():
+    huge = {"w": torch.full((4,), 3e38), "h": torch.full((8,), 1e3, dtype=torch.float16)}
+    assert torch.linalg.vector_norm(huge["w"]).isinf()  # the fast check alone would flag it
+    assert common.first_non_finite(huge) is None
+    assert common.first_non_finite(huge | {"x": [torch.ones(2), torch.tensor([1, -1e39])]}) == "x.1"
+    assert common.first_non_finite({"a": torch.zeros(0), "b": torch.tensor(float("nan"))}) == "b"
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_atomic_save_refuses_non_finite_tensors_and_writes_nothing(tmp_path, bad):
     import numpy as np
