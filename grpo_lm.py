@@ -20,10 +20,11 @@ extension in a labelled section, reaching the loop through one line tagged with 
 process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
 (arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071), TIS; micro-batches; then the
 run plumbing. Every flag defaults to the paper's GRPO. Departures: learning rate 1e-5 (the paper's
-1e-6 barely moves a 135M model in 30 steps), G = 8 and 8 questions per step, KL and ratio between
-temperature-scaled distributions. Where the paper leaves a choice open: process supervision makes
-the final answer one more step with the outcome reward; the iterative reward model regresses (MSE)
-on the verifiable reward.
+1e-6 barely moves a 135M model in 30 steps), G = 8 and 16 questions per step, beta = 0 (TRL's
+default, the paper's is 0.04: no reference model, and the update skips groups of equal rewards),
+KL and ratio between temperature-scaled distributions. Where the paper leaves a choice open:
+process supervision makes the final answer one more step with the outcome reward; the iterative
+reward model regresses (MSE) on the verifiable reward.
 
 Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
 groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
@@ -63,8 +64,7 @@ class Args:
     # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
     # sequence-classification reward model with the policy's tokenizer, read where its own forward
-    # pass pools (the last non-pad token) (default: the task's verifiable reward); frozen
-    # unless --train-reward-model
+    # pass pools (the last non-pad token); frozen unless --train-reward-model (default: the task's)
     reward_model_path: str | None = None
     # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
     # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
@@ -74,8 +74,7 @@ class Args:
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable ('task': the task's own reward); their weighted sum scores each completion
-    # (default: the task's reward)
+    # repeatable ('task': the task's own); their weighted sum scores each completion (default: task)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
@@ -90,19 +89,17 @@ class Args:
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
     total_steps: Annotated[int, Ge(1)] = 36  # steps: sample a batch, then --mu policy updates
-    prompts_per_step: Annotated[int, Ge(1)] = 8  # questions per step, --group-size outputs each
+    prompts_per_step: Annotated[int, Ge(1)] = 16  # questions per step, --group-size outputs each
     group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
     max_new_tokens: Annotated[int, Ge(1)] = 20  # maximum completion length in tokens
-    # prompts longer than this many tokens are dropped from the training set
-    max_prompt_length: Annotated[int, Ge(1)] = 512
-    # sampling temperature T; log probs use the same logits / T
-    temperature: Annotated[float, Ge(1e-3)] = 0.7
+    max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
+    temperature: Annotated[float, Ge(1e-3)] = 0.7  # sampling temperature T, also of the log probs
     # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
-    # KL coefficient beta of eq. 3's k3 penalty to the reference (0: no reference model)
-    beta: Annotated[float, Ge(0)] = 0.04
+    # KL coefficient beta of eq. 3's k3 penalty (the paper's 0.04; 0: no KL, no reference model)
+    beta: Annotated[float, Ge(0)] = 0.0
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
     mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
     max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
@@ -156,8 +153,7 @@ class Args:
     lora_rank: Annotated[int, Ge(0)] = 0
     # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
-    # MLP projections)
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (attention and MLP)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
@@ -375,11 +371,9 @@ def grpo_loss(
     loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_completion_length)
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - clip_range))
-        stats = dict(
-            kl=(kl * mask).sum(), clipped=(clipped.float() * mask).sum(), tokens=mask.sum()
-        )
+        stats = dict(kl=(kl * mask).sum(), clipped=(clipped.float() * mask).sum())
         ratios = ratio.expand_as(logp)[valid] if valid.any() else ratio.new_ones(1)
-        stats.update(ratio_min=ratios.min(), ratio_max=ratios.max())
+        stats.update(tokens=mask.sum(), ratio_min=ratios.min(), ratio_max=ratios.max())
         if sampler_logp is not None:  # |log pi_old - log pi_sampler|
             gap = (old_logp - sampler_logp).abs()[valid] if valid.any() else logp.new_zeros(1)
             stats.update(sampler_gap_sum=gap.sum(), sampler_gap_max=gap.max())
@@ -475,9 +469,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
     if args.train_reward_model:
         rm_training = RewardModelTraining(reward_model, tokenizer, args, device)
     trained = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trained, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True
-    )  # fused: one kernel (CPU and CUDA)
+    lr, weight_decay = args.learning_rate, args.weight_decay  # fused: one kernel (CPU and CUDA)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=True)
     start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
     bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
     log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "grpo", bar)
@@ -491,8 +484,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
     G, B = args.group_size, args.prompts_per_step // world  # B questions per process
     N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, all processes' outputs
     steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1
-    # checkpointed layers drop the prompt's KV cache: then whole sequences go through the model
-    shared = args.share_prompt and not args.gradient_checkpointing
+    shared = args.share_prompt and not args.gradient_checkpointing  # checkpointing: no KV cache
     temperature, eps, beta = args.temperature, args.clip_range, args.beta  # T; eq. 3's eps, beta
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
@@ -522,7 +514,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
 
         # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
         loss_mask = completions_in_the_loss(batch, args.mask_truncated_completions)  # DAPO §3.4
-        micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device)
+        # the rows with a gradient: with beta = 0 not the groups of equal rewards (A = 0)
+        rows = rows_with_a_gradient(advantages, loss_mask, beta, args.loss_type, G)
+        micro_batches = plan_micro_batches(batch, args.micro_batch_size, G, device, rows)
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA, AVX512-BF16)
@@ -726,9 +720,8 @@ def process_advantages(
 
 
 def make_reward_model(args: Args, tokenizer, device):
-    """r_phi, or None for the task's verifiable reward: --reward-model-path's model (frozen unless
-    --train-reward-model), or with --train-reward-model alone the policy's backbone with a new score
-    head (Algorithm 1, §4.1.4)."""
+    """r_phi (None: the task's reward): --reward-model-path's model (frozen unless trained), or with
+    --train-reward-model alone the policy's backbone with a new score head (Algorithm 1, §4.1.4)."""
     if args.reward_model_path:
         model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval()
         return model.requires_grad_(args.train_reward_model)
@@ -756,9 +749,8 @@ class RewardModelTraining:
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         real = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1).bool()
         rows = zip(ids, real, batch.verifiable, strict=True)
-        self.new += common.all_gather_objects(
-            [{"ids": i[m].tolist(), "label": label.item()} for i, m, label in rows]
-        )
+        samples = [{"ids": i[m].tolist(), "label": label.item()} for i, m, label in rows]
+        self.new += common.all_gather_objects(samples)
 
     def train(self, step: int, checkpoint: Path) -> dict:
         args, pad, mb = self.args, self.tokenizer.pad_token_id, self.args.micro_batch_size
@@ -875,9 +867,8 @@ def merge_groups(batches: list[Batch], chosen: list, group_size: int, pad_token_
     examples = [x for b, r in rows for x in b.examples[r]]
     texts = [x for b, r in rows for x in b.completions[r]]
     merged = Batch(*prompts, *completions, examples, texts, cat("sampler_logp", T))
-    merged.rewards, merged.verifiable, merged.correct, merged.truncated = (
-        cat(key) for key in ("rewards", "verifiable", "correct", "truncated")
-    )
+    for key in ("rewards", "verifiable", "correct", "truncated"):
+        setattr(merged, key, cat(key))
     for name in rows[0][0].reward_fns:
         merged.reward_fns[name] = torch.cat([b.reward_fns[name][r] for b, r in rows])
     return merged
@@ -885,9 +876,8 @@ def merge_groups(batches: list[Batch], chosen: list, group_size: int, pad_token_
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
     """DAPO soft overlong punishment (arXiv 2503.14476, §3.4), added to the reward: (N,) in [-1, 0]
-    from the (N,) completion lengths |o| (EOS included), 0 for ``|o| <= L_max - L_cache``, then
-    ``((L_max - L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``,
-    --overlong-buffer, 0 = off)."""
+    from the (N,) lengths |o| (EOS included): 0 for ``|o| <= L_max - L_cache``, then ``((L_max -
+    L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``, 0 = off)."""
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
     return (((max_length - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
@@ -918,8 +908,20 @@ def variant_options(args: Args, loss_mask: torch.Tensor) -> dict:
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun and the bf16 sampler copy are in common.py)
 # ----------------------------------------------------------------------------------------------
-def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
-    """Micro-batches of ``size`` sequences for steps 4-5: [(rows of the batch, length t,
+def rows_with_a_gradient(advantages, loss_mask, beta: float, loss_type: str, G: int):
+    """(n,) long: the rows steps 4-5 compute. A row with no token in the (N, T) ``loss_mask`` or,
+    with ``beta == 0``, whose (N,) or (N, T) advantages are all 0 (a group of equal rewards) adds
+    exactly 0 to eq. 3 and its gradient: left out (not under --loss-type bnpo, whose per-micro-batch
+    mean counts it). If none is left, the first group stays: AdamW then steps as on zeros."""
+    nonzero = (advantages != 0).reshape(len(advantages), -1).any(1)
+    keep = (loss_mask.sum(1) > 0) & (nonzero | (beta > 0)) | (loss_type == "bnpo")
+    if not keep.any():
+        keep[:G] = True
+    return keep.nonzero().squeeze(1)
+
+
+def plan_micro_batches(batch: Batch, size: int, G: int, device, rows: torch.Tensor) -> list:
+    """Micro-batches of ``size`` of the batch's ``rows`` for steps 4-5: [(rows, length t,
     :class:`MicroBatch`)]. Groups of similar completion length go together (whole groups when
     ``size`` is a multiple of G: a prompt goes through the model once per micro-batch that holds
     its completions), each trimmed to its longest prompt and completion. The loss is a sum over
@@ -927,10 +929,10 @@ def plan_micro_batches(batch: Batch, size: int, G: int, device) -> list:
     mask, completion_ids = batch.completion_mask, batch.completion_ids
     lengths = mask.sum(1)
     lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
-    order = sorted(range(len(lens)), key=lambda i: (-group_lens[i // G], i // G, -lens[i]))
+    order = sorted(rows.tolist(), key=lambda i: (-group_lens[i // G], i // G, -lens[i]))
     order = torch.tensor(order, device=device)
     micro_batches = []
-    for i in range(0, len(lens), size):
+    for i in range(0, len(order), size):
         idx = order[i : i + size]
         groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # each prompt once
         prompt_ids, prompt_mask = batch.prompt_ids[groups * G], batch.prompt_mask[groups * G]
@@ -1050,7 +1052,8 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm,
     """A step's logged scalars over the global batch (sums and per-sequence values gathered from
     every process), from ``loss_stats``, the :func:`grpo_loss` statistics of every micro-batch with
     its ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy``
-    is the minimised -J of eq. 3 (KL included); ``time/generation_s`` covers steps 1-2."""
+    is the minimised -J of eq. 3 (KL included), the other ``loss/*`` are over the rows the update
+    computed (:func:`rows_with_a_gradient`); ``time/generation_s`` covers steps 1-2."""
 
     def total(key: str) -> float:  # summed over this process's micro-batches and mu updates
         return sum(stats[key].item() for stats in loss_stats)
@@ -1058,10 +1061,8 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm,
     G = args.group_size
     sums = torch.tensor([total("loss"), total("kl"), total("clipped"), total("tokens")])
     loss_sum, kl_sum, clipped_sum, tokens_sum = common.all_reduce(sums).tolist()
-    lengths, correct, truncated = (
-        common.all_gather(x.float().cpu())
-        for x in (batch.completion_mask.sum(1), batch.correct, batch.truncated)
-    )
+    per_sequence = (batch.completion_mask.sum(1), batch.correct, batch.truncated)
+    lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in per_sequence)
     entropy = common.all_reduce(torch.tensor(total("entropy"))).item()
     ratio_min = torch.tensor(min(stats["ratio_min"].item() for stats in loss_stats))
     ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in loss_stats))
@@ -1127,8 +1128,7 @@ def save_checkpoint(log, step: int, args: Args, policy, optimizer, reference, rm
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """The command line (``python grpo_lm.py --help``): bad input ends in one ``error: ...`` line
-    and exit code 2."""
+    """The command line (``--help``): bad input ends in one ``error: ...`` line, exit code 2."""
     common.run_cli(lambda: main(common.parse_args(Args, argv, SCRIPT)))
 
 

@@ -354,6 +354,7 @@ def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
         save_every=0,
         total_steps=2,
         seed=3,
+        beta=0.04,  # the paper's KL term (the default is 0)
     )
     base.update(kw)
     return grpo_lm.Args(**base)
@@ -837,6 +838,44 @@ def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
     assert [step for step, _ in series] == [1, 2, 3], series
     assert series[-1][1] == pytest.approx(resumed["reward/mean"][0])
     assert resumed["reward/mean"][0] == pytest.approx(full["reward/mean"][2])
+
+
+def test_rows_with_a_gradient_leave_out_only_what_adds_nothing():
+    rows = grpo_lm.rows_with_a_gradient
+    adv = torch.tensor([0.0] * 4 + [1.0, -1.0, 0.5, -0.5])  # G = 4: group 0's rewards are equal
+    mask = torch.ones(8, 3)
+    mask[5] = 0  # no token in the loss (--mask-truncated-completions)
+    assert rows(adv, mask, 0.0, "grpo", 4).tolist() == [4, 6, 7]
+    assert rows(adv, mask, 0.04, "grpo", 4).tolist() == [0, 1, 2, 3, 4, 6, 7]  # the KL's gradient
+    assert rows(adv, mask, 0.0, "bnpo", 4).tolist() == list(range(8))  # a per-micro-batch mean
+    assert rows(torch.zeros(8), mask, 0.0, "grpo", 4).tolist() == [0, 1, 2, 3]  # AdamW still steps
+    per_token = torch.zeros(8, 3)  # process supervision: one advantage per token
+    per_token[1, 2] = 0.3
+    assert rows(per_token, mask, 0.0, "dapo", 4).tolist() == [1]
+
+
+def test_without_the_kl_the_update_leaves_out_equal_reward_groups_with_the_same_gradient(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # issue 24: with beta = 0 a group of equal rewards adds exactly 0 to eq. 3's gradient, so steps
+    # 4-5 leave it out; the first step's gradient is the one computed from every row (to float
+    # rounding: the micro-batches hold other rows)
+    examples = [
+        {"question": f"{a}+{b}", "answer": str(a + b)} for a in range(10) for b in range(10)
+    ]
+
+    def digit_first(completion: str, example: dict) -> float:  # 0 or 1: many equal-reward groups
+        return float(any(c.isdigit() for c in completion[:2]))
+
+    task = tasks.Task("d", examples[8:], examples[:8], digit_first, tasks.number_matches)
+    args = dict(beta=0.0, total_steps=1)
+    skipped = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **args), task=task)
+    monkeypatch.setattr(grpo_lm, "rows_with_a_gradient", lambda adv, mask, *_: torch.arange(32))
+    every = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", **args), task=task)
+    assert skipped["reward/frac_zero_std_groups"] == every["reward/frac_zero_std_groups"] == [0.25]
+    assert skipped["loss/tokens"][0] < every["loss/tokens"][0]  # one group of four left out
+    assert skipped["optim/grad_norm"] == pytest.approx(every["optim/grad_norm"], rel=1e-5)
+    assert every["optim/grad_norm"][0] > 0.1
 
 
 def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path):

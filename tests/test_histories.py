@@ -105,6 +105,7 @@ def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
         total_steps=2,
         seed=3,
         torch_threads=1,
+        beta=0.04,  # the paper's KL term, as recorded (the default is 0)
     )
     ppo_base = dict(
         prompts_per_step=32,
