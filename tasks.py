@@ -570,10 +570,9 @@ def greedy_accuracy(
 
 
 def task_of(args) -> Task:
-    """The task of --task or --dataset. --answer-format think: answers read from the ``<answer>``
-    block, --format-reward paid for the format (plain: as the task pays it). --reward-fn: rewards
-    are the functions' sum weighted by --reward-weights (``task``: the task's own). UsageError: a
-    bad dataset or reward file, or under --prompts-per-step questions left to train on."""
+    """The task of --task or --dataset (think: answers in ``<answer>``, --format-reward for the
+    format), scored by the --reward-fn functions weighted by --reward-weights if given. UsageError:
+    a bad dataset or reward file, or (unless --eval-only) under --prompts-per-step to train on."""
     think = args.answer_format == "think"
     plain = 0.0 if think else args.format_reward
     if args.dataset is not None:
@@ -594,8 +593,8 @@ def task_of(args) -> Task:
         task.reward_fns = [own if spec == "task" else files.pop(0) for spec in args.reward_fn]
         task.reward_weights = list(args.reward_weights) or None
     flag = f"--dataset: {args.dataset}" if args.dataset else f"--eval-size {args.eval_size}"
-    left = f"{len(task.test)} held out for evaluation leave {len(task.train)} questions to train on"
-    check(len(task.train) >= args.prompts_per_step, f"{flag}: {left}, under --prompts-per-step")
+    left = f"{len(task.test)} held out, {len(task.train)} to train on, under --prompts-per-step"
+    check(args.eval_only or len(task.train) >= args.prompts_per_step, f"{flag}: {left}")
     return task
 
 

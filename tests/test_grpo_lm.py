@@ -1,6 +1,7 @@
 """grpo_lm.py: equations against hand-computed numbers, learning on a tiny model, CLI, resume,
 errors."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -838,6 +839,19 @@ def test_resumed_run_logs_each_step_once(tiny_model_dir, tmp_path):
     assert [step for step, _ in series] == [1, 2, 3], series
     assert series[-1][1] == pytest.approx(resumed["reward/mean"][0])
     assert resumed["reward/mean"][0] == pytest.approx(full["reward/mean"][2])
+
+
+def test_eval_only_needs_no_training_questions(tiny_model_dir, tmp_path):
+    # issue 24: --eval-only on a --dataset that leaves fewer training questions than
+    # --prompts-per-step (main_job.py's rephrased problems) was refused; training still is
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(f'{{"question": "{a}+1", "answer": "{a + 1}"}}\n' for a in range(9)))
+    args = tiny_args(tiny_model_dir, tmp_path, dataset=str(data), eval_size=8, eval_only=True)
+    assert len(grpo_lm.main(args)["eval/accuracy"]) == 1
+    with pytest.raises(
+        common.UsageError, match="8 held out, 1 to train on, under --prompts-per-step"
+    ):
+        grpo_lm.main(dataclasses.replace(args, eval_only=False, run_name="train"))
 
 
 def test_rows_with_a_gradient_leave_out_only_what_adds_nothing():
