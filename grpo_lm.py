@@ -64,7 +64,7 @@ class Args:
     # policy to train: a local directory or Hub id of a causal LM (the default loads offline)
     model_name_or_path: str = common.DEFAULT_MODEL
     # sequence-classification reward model with the policy's tokenizer, read where its own forward
-    # pass pools (the last non-pad token); frozen unless --train-reward-model (default: the task's)
+    # pass pools (the last non-pad token); frozen unless --train-reward-model; default: task reward
     reward_model_path: str | None = None
     # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
     # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)

@@ -69,8 +69,7 @@ class Args:
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
-    # repeatable ('task': the task's own reward); their weighted sum scores each completion
-    # (default: the task's reward)
+    # repeatable ('task': the task's own); their weighted sum scores each completion (default: task)
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
@@ -91,10 +90,8 @@ class Args:
     # questions sampled per step, one completion each (grpo_lm's 4 x G=8 before 2026-11-25)
     prompts_per_step: Annotated[int, Ge(1)] = 32
     max_new_tokens: Annotated[int, Ge(1)] = 64  # maximum completion length in tokens
-    # prompts longer than this many tokens are dropped from the training set
-    max_prompt_length: Annotated[int, Ge(1)] = 512
-    # sampling temperature T; log probs use the same logits / T
-    temperature: Annotated[float, Ge(1e-3)] = 0.7
+    max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
+    temperature: Annotated[float, Ge(1e-3)] = 0.7  # sampling temperature T, also of the log probs
     # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     # KL coefficient of the per-token reward -beta * KL_t (0 = no reference model); with
@@ -136,8 +133,7 @@ class Args:
     lora_rank: Annotated[int, Ge(0)] = 0
     # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
-    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (the attention and
-    # MLP projections)
+    # modules that get adapters: peft names (e.g. q_proj v_proj) or 'all-linear' (attention and MLP)
     lora_target_modules: tuple[str, ...] = ("all-linear",)
 
     # --- run: experiment, logging, evaluation, checkpoints ---
