@@ -886,8 +886,9 @@ def test_without_the_kl_the_update_leaves_out_equal_reward_groups_with_the_same_
     skipped = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **args), task=task)
     monkeypatch.setattr(grpo_lm, "rows_with_a_gradient", lambda adv, mask, *_: torch.arange(32))
     every = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", **args), task=task)
-    assert skipped["reward/frac_zero_std_groups"] == every["reward/frac_zero_std_groups"] == [0.25]
-    assert skipped["loss/tokens"][0] < every["loss/tokens"][0]  # one group of four left out
+    equal = skipped["reward/frac_zero_std_groups"]
+    assert equal == every["reward/frac_zero_std_groups"] and 0 < equal[0] < 1  # 0.25 here
+    assert skipped["loss/tokens"][0] < every["loss/tokens"][0]  # those groups left out
     assert skipped["optim/grad_norm"] == pytest.approx(every["optim/grad_norm"], rel=1e-5)
     assert every["optim/grad_norm"][0] > 0.1
 
