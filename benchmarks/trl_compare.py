@@ -122,6 +122,7 @@ def grpo_config(
     gradient_checkpointing: bool = False,
     device: str = "cpu",
     cache_implementation: str | None = None,
+    micro_batch: int = 0,
 ):
     """GRPOConfig matching grpo_lm.py's algorithm: DeepSeekMath GRPO, one update per generation
     batch.
@@ -130,7 +131,8 @@ def grpo_config(
     is off unless ``gradient_checkpointing`` is set. On ``device="cuda"`` both train float32 weights
     under bfloat16 autocast (TRL ``bf16=True``, grpo_lm's default ``--bf16``).
     ``cache_implementation`` is TRL's own switch for faster transformers generation (e.g.
-    ``"static"``); default: off, as in TRL.
+    ``"static"``); default: off, as in TRL. ``micro_batch`` (0: the whole batch) splits the batch
+    into gradient-accumulation steps of that many sequences, one optimizer step per batch.
     """
     from trl import GRPOConfig
 
@@ -148,8 +150,8 @@ def grpo_config(
         importance_sampling_level="token",
         # TRL 1.16 defaults to True (KL * ratio, DeepSeek-V3.2); eq. 4 has no ratio
         use_bias_correction_kl=False,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,  # one optimizer step per batch
+        per_device_train_batch_size=micro_batch or batch,
+        gradient_accumulation_steps=batch // (micro_batch or batch),  # one optimizer step a batch
         num_generations=group_size,
         max_completion_length=max_new_tokens,
         temperature=temperature,
@@ -733,6 +735,8 @@ def run_speed(a: argparse.Namespace) -> None:
         str(a.seed),
         "--torch-threads",
         str(a.torch_threads),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
     ]
     runs = []
     for r in range(a.repeats):
@@ -768,9 +772,7 @@ def run_speed(a: argparse.Namespace) -> None:
                     "--micro-batch-size",
                     str(micro),
                     "--eval-size",
-                    "1",
-                    "--eval-batch-size",
-                    "1",
+                    "0",
                     "--eval-every",
                     "0",
                     "--sample-every",
@@ -945,6 +947,7 @@ def run_trl_child(a: argparse.Namespace) -> None:
         gradient_checkpointing=a.gradient_checkpointing,
         device=a.device,
         cache_implementation=a.cache_implementation,
+        micro_batch=a.micro_batch_size,
     )
     cfg.disable_tqdm = True
     trainer = GRPOTrainer(
@@ -1453,6 +1456,12 @@ def main() -> None:
         sp.add_argument("--seed", type=int, default=1)
         sp.add_argument("--torch-threads", type=int, default=1)
         sp.add_argument(
+            "--micro-batch-size",
+            type=int,
+            default=0,
+            help="sequences per forward/backward of both trainers (0 = the whole batch)",
+        )
+        sp.add_argument(
             "--device",
             choices=("cpu", "cuda"),
             default="cpu",
@@ -1469,12 +1478,6 @@ def main() -> None:
         default=None,
         help="use this model instead of a random Llama (e.g. HuggingFaceTB/SmolLM2-135M-Instruct, "
         "converted offline)",
-    )
-    sp.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=0,
-        help="grpo_lm micro-batch (0 = the whole batch, as TRL)",
     )
     sp.add_argument(
         "--repeats", type=int, default=1, help="pairs of runs, order alternating ours/TRL, TRL/ours"
