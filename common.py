@@ -415,7 +415,8 @@ def make_run_dir(args: Any) -> Path:
     """``{runs_dir}/{run_name}`` (default ``{task}__{exp_name}__{seed}__{unix time}``, as CleanRL),
     or the checkpoint's directory with --resume. Raises UsageError when it cannot be written, or a
     new run's holds a checkpoint."""
-    name = f"{Path(str(args.task)).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    what = Path(args.dataset).stem if args.dataset else args.task
+    name = f"{what}__{args.exp_name}__{args.seed}__{int(time.time())}"
     new = Path(args.runs_dir) / (args.run_name or name)
     run_dir = Path(args.resume).parent if args.resume else new
     ckpt = run_dir / "checkpoint.pt"
@@ -617,6 +618,14 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)  # atomic: a half-written conversion is never taken for a model
     return str(out)
+
+
+def max_positions(name_or_path: str) -> int | None:
+    """The model's ``max_position_embeddings`` (its config alone is read), None when it has none."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    return getattr(config, "max_position_embeddings", None)
 
 
 def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):

@@ -455,7 +455,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = tasks.training_questions(task, tokenizer, args)
+    positions = common.max_positions(args.model_name_or_path)
+    questions = tasks.training_questions(task, tokenizer, args, positions)
     # torchrun: each process samples and trains on its share of the batch
     rank, world, device = common.start_processes(args.torch_threads, args.device)
     common.seed_everything(args.seed)
@@ -499,7 +500,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn: Callable | 
         if args.dynamic_sampling:  # DAPO §3.2: only groups whose rewards differ
             batch = dynamic_sampling(batch, sampler, args, device, step)
         lengths = batch.completion_mask.sum(1).cpu()  # DAPO §3.4 (0 with --overlong-buffer 0):
-        batch.rewards += overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer)
+        penalty = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer)
+        batch.rewards = batch.rewards + penalty  # a new tensor: batch.verifiable stays the task's
         rewards = common.all_gather(batch.rewards)  # (N_all,) every process's r_i, group order
         if rm_training is not None:  # Algorithm 1 / §4.1.4: samples for the reward model
             rm_training.add(batch)

@@ -409,7 +409,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     tokenizer = common.load_tokenizer(args.model_name_or_path)
     if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
         return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    questions = tasks.training_questions(task, tokenizer, args)
+    positions = common.max_positions(args.model_name_or_path)
+    questions = tasks.training_questions(task, tokenizer, args, positions)
     # torchrun: each process samples and trains on its share of the batch
     rank, world, device = common.start_processes(args.torch_threads, args.device)
     common.seed_everything(args.seed)

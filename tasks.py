@@ -381,7 +381,7 @@ def char_ends_to_token_indices(tokenizer, token_ids: list[int], char_ends: list[
 
 
 # ---- scoring a batch: the user's functions checked, one line per failure -----------------------
-_USER_ERRORS = (Exception, SystemExit, KeyboardInterrupt)  # issue 27: sys.exit() in user code too
+_USER_ERRORS = (Exception, SystemExit)  # sys.exit() in user code too; Ctrl-C stays an interrupt
 
 
 def _checked_scores(fn, what: str, texts: list[str], examples: list[dict], first=0, unit=False):
@@ -598,13 +598,23 @@ def task_of(args) -> Task:
     return task
 
 
-def training_questions(task: Task, tokenizer, args) -> list[dict]:
+def training_questions(task: Task, tokenizer, args, positions: int | None) -> list[dict]:
     """The training examples whose prompts, in the run's prompt style, have at most
-    --max-prompt-length tokens. UsageError: fewer than --prompts-per-step of them."""
+    --max-prompt-length tokens. UsageError: fewer than --prompts-per-step of them, or the longest
+    prompt plus --max-new-tokens beyond the model's ``positions`` (None: no limit)."""
     style = prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
     ids = prompt_ids(tokenizer, [ex["question"] for ex in task.train], *style)
     fits = [len(row) <= args.max_prompt_length for row in ids]
     train = [ex for ex, fit in zip(task.train, fits, strict=True) if fit]
     fit = f"--max-prompt-length {args.max_prompt_length}: only {len(train)} training prompts fit"
     check(len(train) >= args.prompts_per_step, f"{fit}, fewer than --prompts-per-step")
+    longest, new = (
+        max(len(row) for row, fit in zip(ids, fits, strict=True) if fit),
+        args.max_new_tokens,
+    )
+    check(
+        positions is None or longest + new <= positions,
+        f"--max-new-tokens {new}: the longest prompt ({longest} tokens) plus {new} new tokens "
+        f"exceeds the model's {positions} positions; lower --max-new-tokens or --max-prompt-length",
+    )
     return train

@@ -38,7 +38,7 @@ def make_tokenizer():
 
 
 def make_tiny_model(
-    path: Path, seed: int = 0, kind: str = "causal-lm", init_std: float = 0.02
+    path: Path, seed: int = 0, kind: str = "causal-lm", init_std: float = 0.02, positions: int = 256
 ) -> Path:
     """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path``.
 
@@ -57,7 +57,7 @@ def make_tiny_model(
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

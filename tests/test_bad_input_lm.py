@@ -299,6 +299,11 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     ),
     (["--resume", "{other}"], "--resume:", CHEAP),
     (["--max-prompt-length", "1"], "--max-prompt-length 1: only 0 training prompts fit", TOKENIZER),
+    (  # the tiny model has 256 positions: a prompt plus 100000 tokens cannot fit (issue 39)
+        ["--max-new-tokens", "100000"],
+        "--max-new-tokens 100000: the longest prompt (",
+        TOKENIZER,
+    ),
     (["--reward-model-path", "{model}"], "--reward-model-path: ", MODEL),
     (
         ["--reward-model-path", "{root}/small_rm"],

@@ -5,6 +5,7 @@ JSONL data, Countdown."""
 import json
 
 import pytest
+from conftest import make_tiny_model
 from test_grpo_lm import tiny_args
 
 import common
@@ -130,10 +131,11 @@ def test_own_jsonl_data_with_other_field_names(tiny_model_dir, tmp_path, reward_
         )  # a run of its own: "run" holds the first one's checkpoint
 
 
-def test_countdown_runs(tiny_model_dir, tmp_path):
+def test_countdown_runs(tmp_path):
+    model = make_tiny_model(tmp_path / "model", positions=1024)  # Countdown's prompts: 384 tokens
     h = grpo_lm.main(
         tiny_args(
-            tiny_model_dir,
+            model,
             tmp_path,
             total_steps=1,
             task="countdown",
@@ -176,12 +178,13 @@ def test_ppo_weighted_reward_functions(tiny_model_dir, tmp_path, reward_file):
     )
 
 
-def test_ppo_countdown_with_the_think_format(tiny_model_dir, tmp_path):
+def test_ppo_countdown_with_the_think_format(tmp_path):
     import ppo_lm
 
+    model = make_tiny_model(tmp_path / "model", positions=1024)  # Countdown's prompts: 384 tokens
     h = ppo_lm.main(
         ppo_args(
-            tiny_model_dir,
+            model,
             tmp_path,
             total_steps=1,
             task="countdown",

@@ -1018,3 +1018,48 @@ def test_k3_is_unbiased_for_kl_policy_to_reference_but_its_gradient_is_that_of_k
     (grad_pi_ref,) = torch.autograd.grad(kl_pi_ref, logits)
     torch.testing.assert_close(as_loss, grad_ref_pi)  # the gradient of KL(pi_ref || pi) ...
     assert (as_loss - grad_pi_ref).abs().max() > 0.05  # ... not of KL(pi || pi_ref)
+
+
+def test_the_overlong_penalty_stays_out_of_the_verifiable_rewards(tiny_model_dir, tmp_path):
+    # issue 39: the penalty was added in place to a tensor that was also batch.verifiable, so the
+    # reward model's first training labels held it
+    task, seen = digit_task(), []
+    add = grpo_lm.RewardModelTraining.add
+
+    def record(self, batch):
+        responses = [self.args.response_prefix + c for c in batch.completions]
+        seen.append((batch.verifiable.clone(), tasks.score_task(task, responses, batch.examples)))
+        add(self, batch)
+
+    flags = dict(train_reward_model=True, iterations=2, overlong_buffer=8, total_steps=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_lm.RewardModelTraining, "add", record)
+        history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, **flags), task=task)
+    assert min(history["reward/mean"]) < 0  # the penalty was paid: completions ran to the cap
+    for verifiable, (scores, _) in seen:
+        assert torch.equal(verifiable, scores)
+
+
+def test_a_dataset_run_is_named_after_the_dataset(tiny_model_dir, tmp_path):
+    # issue 39: the default run directory was named after --task (addition__...) with --dataset
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(12)]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = tiny_args(tiny_model_dir, tmp_path, dataset=str(data), run_name=None, eval_only=True)
+    grpo_lm.main(dataclasses.replace(args, eval_size=4))
+    assert [d.name.split("__")[0] for d in tmp_path.iterdir() if d.is_dir()] == ["sums"]
+
+
+def test_ctrl_c_in_a_reward_function_ends_as_an_interrupt(tiny_model_dir, tmp_path, capsys):
+    # issue 39: KeyboardInterrupt raised in user code was reported as the function's error
+    task = digit_task()
+
+    def interrupted(completion, example):
+        raise KeyboardInterrupt
+
+    task.reward_fn = interrupted
+    args = tiny_args(tiny_model_dir, tmp_path, total_steps=1, eval_size=0)
+    with pytest.raises(SystemExit) as exit_info:
+        common.run_cli(lambda: grpo_lm.main(args, task=task))
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "interrupted"
