@@ -19,7 +19,7 @@ model V_phi (trained).
 Read from the top down to the end of main(): the flags, the math (ALGO LOGIC, torch only), then
 main(), steps 1-7 of a PPO iteration. Below main(): rollout() and score() (steps 1-2), then each
 extension, off by default and one tagged line in the loop (the adaptive KL controller of Ziegler et
-al. 2019; the bf16 sampler and TIS, micro-batches, torchrun), last the run plumbing. The policy loss
+al. 2019; micro-batches, torchrun), last the run plumbing. The policy loss
 differs from grpo_lm.py's only in where the advantage comes from (GAE on a learned value) and where
 the KL goes (into the reward, per token). Why KL_t is k1, and where this file departs from the N+
 details' code and TRL's PPOTrainer (loss averaged per sequence, the score on the EOS token, no
@@ -32,11 +32,9 @@ Usage:  python ppo_lm.py          (see --help for every flag)
         torchrun --nproc_per_node 8 ppo_lm.py --prompts-per-step 256
 """
 
-from __future__ import annotations
-
-import contextlib
 import dataclasses
 import time
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -47,11 +45,11 @@ from annotated_types import Ge, Gt, Interval
 
 import common
 import tasks
-from common import UsageError, check
+from common import check
 
 
 @dataclasses.dataclass
-@pydantic.with_config(allow_inf_nan=False)  # common.flag_error: no NaN or inf in any flag
+@pydantic.with_config(allow_inf_nan=False)  # common.check_flags: no NaN or inf in any flag
 class Args:
     # --- the N+ details' RLHF-PPO: models, task and score, sampling, rewards, GAE, PPO updates ---
 
@@ -61,9 +59,9 @@ class Args:
     # pass pools (the last non-pad token) (default: the task's verifiable reward); frozen; the value
     # model starts from it, else from the policy with a zero head
     reward_model_path: str | None = None
-    # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b), 'multistep' ("Compute
-    # (a + b) * c - d") or 'countdown' (make a target from 4 numbers with + - * /, as TinyZero)
-    task: Literal["addition", "multistep", "countdown"] = "addition"
+    # built-in verifiable task: 'addition' ("What is a + b?", two-digit a, b) or 'multistep'
+    # ("Compute (a + b) * c - d"); examples/ runs Countdown and others through --dataset
+    task: Literal["addition", "multistep"] = "addition"
     # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
     prompt_field: str = "question"  # --dataset: the field that holds the question
@@ -73,13 +71,7 @@ class Args:
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
-    # reward for the expected format (0 = off): a final number, Countdown's <answer> block, or the
-    # whole <think> ... </think> <answer> ... </answer> shape of --answer-format think
-    format_reward: float = 0.0
-    # 'think': completions are <think> ... </think> <answer> ... </answer>, and rewards and accuracy
-    # read the answer block
-    answer_format: Literal["plain", "think"] = "plain"
-    # system message before every question (default: none, or --answer-format think's instructions)
+    # system message before every question (default: none)
     system_prompt: str | None = None
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
@@ -138,11 +130,11 @@ class Args:
 
     # --- run: experiment, logging, evaluation, checkpoints ---
 
-    exp_name: str = "ppo_lm"  # name of this experiment (part of the run name)
     # seed of the prompts, sampling, minibatch order and initialisation
     seed: Annotated[int, Interval(ge=0, le=2**32 - 1)] = 1
     runs_dir: str = "runs"  # TensorBoard logs, args and checkpoints go to {runs_dir}/{run_name}/
-    run_name: str | None = None  # run directory (default: {task}__{exp_name}__{seed}__{unix time})
+    # run directory (default: {task or dataset}__ppo__{seed}__{unix time})
+    run_name: str | None = None
     # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
     # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
@@ -154,16 +146,14 @@ class Args:
     # them (same flags, same results); the model, reward model, --eval-size and run directory cannot
     # change
     resume: str | None = None
-    torch_threads: Annotated[int, Ge(0)] = 0  # CPU threads for torch (0 = torch's default)
     # no training: the greedy held-out accuracy of the --resume checkpoint or of
     # --model-name-or-path (e.g. a run's final_model/), printed and written as JSON into the run dir
     eval_only: bool = False
-    # also log to Weights & Biases (pip install wandb; WANDB_MODE=offline keeps it on disk)
+    # also log to Weights & Biases (pip install wandb; $WANDB_PROJECT, default minimal-ppo-grpo,
+    # and $WANDB_ENTITY choose where; WANDB_MODE=offline keeps it on disk)
     track: bool = False
-    wandb_project_name: str = "minimal-ppo-grpo"  # the wandb project of --track
-    wandb_entity: str | None = None  # the wandb team or user of --track (default: yours)
 
-    # --- scale-out and speed: devices, torchrun, micro-batches, the bf16 sampler ---
+    # --- scale-out and speed: devices, torchrun, micro-batches, bf16 ---
 
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over a minibatch
@@ -177,12 +167,6 @@ class Args:
     # recompute the policy's and the value model's activations in the backward pass: less memory,
     # ~30% slower
     gradient_checkpointing: bool = False
-    # sample from a bfloat16 copy of the policy (refreshed every step), not under --bf16 autocast
-    fast_generation: bool = False
-    # truncated importance sampling (Yao et al. 2025; TRL token_truncate): with a sampler other than
-    # the trained module (--fast-generation, --bf16), weight each token's surrogate by
-    # min(pi_old / pi_sampler, C); 0 = off
-    tis_cap: Annotated[float, Ge(0)] = 0.0
 
 
 @dataclasses.dataclass
@@ -197,9 +181,6 @@ class Batch:
     prompt_width: int  # P: the completions start at this column
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool on the CPU: no EOS within --max-new-tokens
-    # (N, T) the sampler's log probs, recorded whenever the sampler is not the trained module in
-    # float32 (--fast-generation, or --bf16 autocast): the mismatch log and TIS
-    sampler_logp: torch.Tensor | None
     score: torch.Tensor | None = None  # (N,) the reward model's or task's, before the EOS penalty
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
     reward_fns: dict = dataclasses.field(default_factory=dict)  # --reward-fn: each one's (N,)
@@ -216,26 +197,20 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def token_log_probs(
-    model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False
-):
+def token_log_probs(model, input_ids, attention_mask, T: int, temperature: float, entropy=False):
     """(B, T) ``log softmax(logits / temperature)`` of the last T tokens of the (B, P + T)
-    left-padded ``input_ids`` (with ``with_entropy`` also the detached (B, T) entropy, logged only).
+    left-padded ``input_ids`` (with ``entropy`` also the detached (B, T) entropy, logged only).
 
     Logits exist for the completion positions only; position ids count real tokens only, as in
     generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    with float32_lm_head(model):
+    with common.float32_lm_head(model):
         logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits
     log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # j predicts token j + 1
     logp = torch.gather(log_probs, 2, input_ids[:, -T:].unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp
-    with torch.no_grad():
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return logp, entropy
+    return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if entropy else logp
 
 
 def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
@@ -302,30 +277,16 @@ def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, 
     return advantages, advantages + values
 
 
-def ppo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip_range: float,
-    clip_range_value: float,
-    vf_coef: float,
-    num_sequences: int,
-    sampler_logp: torch.Tensor | None = None,
-    tis_cap: float = 0.0,
-):
+def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, clip_range,
+             clip_range_value, vf_coef, num_sequences):  # fmt: skip
     """(loss, stats) of a micro-batch: ``-J(theta) + vf_coef * L(phi)`` and detached sums (divide by
     ``tokens``) and extremes for logging.
 
     Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7); value:
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (N+ details). Both are
     averaged over each sequence's ``|o|`` tokens (as grpo_lm.py does), summed and divided by the
-    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. TIS
-    (Yao et al. 2025; TRL's ``token_truncate``), ``tis_cap > 0``: each token's surrogate is weighted
-    by the detached ``min(pi_old / pi_sampler, tis_cap)``. All tensors are (b, T): ``logp`` and
+    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. All
+    tensors are (b, T): ``logp`` and
     ``values`` with grad, the others from sampling time, ``advantages`` whitened; ``mask`` 1 up to
     the first EOS.
     """
@@ -334,9 +295,6 @@ def ppo_loss(
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
-    if sampler_logp is not None and tis_cap > 0:  # TIS: pi_old / pi_sampler, truncated at C
-        weight = torch.exp(torch.where(valid, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap)
-        surrogate = surrogate * weight
     eps_v = clip_range_value
     values_clipped = old_values + torch.clamp(values - old_values, -eps_v, eps_v)
     value_losses = (values - returns) ** 2
@@ -349,12 +307,14 @@ def ppo_loss(
     with torch.no_grad():
         clipped = (advantages > 0) & (ratio > 1 + clip_range)  # where the clip takes the gradient
         clipped |= (advantages < 0) & (ratio < 1 - clip_range)
+        value_clipped = ((value_losses_clipped > value_losses).float() * mask).sum()
+        approx_kl = (((ratio - 1) - log_ratio) * mask).sum()  # k3 of KL(pi_old || pi)
+        ratios = ratio[valid] if valid.any() else ratio.new_ones(1)  # none valid: 1
         stats = dict(policy_loss=policy_loss.detach(), value_loss=value_loss.detach())
-        stats["tokens"], stats["clipped"] = mask.sum(), (clipped.float() * mask).sum()
-        stats["value_clipped"] = ((value_losses_clipped > value_losses).float() * mask).sum()
-        stats["approx_kl"] = (((ratio - 1) - log_ratio) * mask).sum()  # k3 of KL(pi_old || pi)
-        ratio_valid = ratio[valid] if valid.any() else ratio.new_ones(1)  # none valid: 1
-        stats["ratio_min"], stats["ratio_max"] = ratio_valid.min(), ratio_valid.max()
+        stats |= dict(
+            tokens=mask.sum(), clipped=(clipped.float() * mask).sum(), approx_kl=approx_kl
+        )
+        stats |= dict(value_clipped=value_clipped, ratio_min=ratios.min(), ratio_max=ratios.max())
     return loss, stats
 
 
@@ -366,33 +326,6 @@ def adaptive_kl_coef(beta, kl: float, target: float, num_sequences: int, horizon
     return beta * (1 + error * num_sequences / horizon)
 
 
-@contextlib.contextmanager
-def float32_lm_head(model):
-    """While active, ``model``'s LM head computes the logits in float32, also under bf16 autocast.
-
-    Logits rounded to bf16 (8 mantissa bits) would put a rounding floor under every log prob of the
-    loss: on a policy a hair away from its reference, the k3 KL read ~1.5e-3 per token against a
-    true 1e-5 (benchmarks/bf16_numerics.py). The head's own forward runs on float32 hidden states
-    with autocast off, so a LoRA adapter on the head acts too; its weights are float32
-    (``common.load_model``) and are not copied. Without autocast the numbers do not change.
-    """
-    head = model.get_output_embeddings()
-    own_forward, patched = head.forward, "forward" in vars(head)
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(hidden.device.type, enabled=False):
-            return own_forward(hidden.float())
-
-    head.forward = forward
-    try:
-        yield
-    finally:
-        if patched:
-            head.forward = own_forward
-        else:
-            del head.forward
-
-
 # ----------------------------------------------------------------------------------------------
 # RLHF-PPO, the N+ details' training loop
 # ----------------------------------------------------------------------------------------------
@@ -401,57 +334,68 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     torchrun, where each process runs this on its share of the batch, the global values on every
     rank). ``task`` replaces the built-in task: any :class:`tasks.Task`, e.g. with your own reward.
     """
-    # A bad flag, checkpoint, run directory, dataset or reward file fails here, before any load
-    validate(args)
-    checkpoint = common.resume_checkpoint(args, SCRIPT, FROZEN)  # --resume's, checked; else None
-    run_dir = common.make_run_dir(args)
-    task = task or tasks.task_of(args)
+    validate(args)  # a bad flag, checkpoint, dataset or reward file: one line, before any load
+    checkpoint = common.resume_checkpoint(dataclasses.asdict(args), SCRIPT, FROZEN)  # --resume's
+    data = Path(args.dataset).stem if args.dataset else args.task
+    name = args.run_name or f"{data}__ppo__{args.seed}__{int(time.time())}"
+    run_dir = common.make_run_dir(args.runs_dir, name, args.resume, args.eval_only)
+    fields = (args.prompt_field, args.answer_field, args.reward_fn, args.reward_weights)
+    task = task or tasks.task_of(args.task, args.dataset, *fields, args.eval_size)
     tokenizer = common.load_tokenizer(args.model_name_or_path)
-    if args.eval_only:  # --eval-only: the held-out accuracy of a saved model, no training
-        return common.eval_only(args, task, tokenizer, checkpoint, run_dir)
-    positions = common.max_positions(args.model_name_or_path)
-    questions = tasks.training_questions(task, tokenizer, args, positions)
+    style = (args.system_prompt, args.response_prefix)  # every prompt's system message and prefix
+    if not args.eval_only:  # the training questions whose prompts fit
+        limits = (args.max_prompt_length, args.prompts_per_step, args.max_new_tokens)
+        questions = tasks.training_questions(
+            task, tokenizer, style, *limits, args.model_name_or_path
+        )
     # torchrun: each process samples and trains on its share of the batch
-    rank, world, device = common.start_processes(args.torch_threads, args.device)
-    common.seed_everything(args.seed)
+    rank, world, device = common.start_processes(args.device)
+    torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
+
+    options = (tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size, style)
+    held_out = lambda model: tasks.greedy_accuracy(model, *options, args.bf16)  # noqa: E731
 
     # The four models, dropout off: the policy pi_theta, a reference pi_ref (a frozen copy of the
     # initial policy; none with beta = 0), the reward (a frozen reward model, or the task's
     # verifiable reward) and the value model V_phi (N+ details: from the reward model, else the
     # policy). Every process loads the same weights: they stay equal (same all-reduced gradients).
-    policy = common.load_policy(args, device)
-    reference = common.load_reference(policy, args, device)  # LoRA: the adapter disabled
+    lora = (args.lora_rank, args.lora_alpha, args.lora_target_modules) if args.lora_rank else None
+    policy = common.load_policy(args.model_name_or_path, device, lora, args.gradient_checkpointing)
+    if args.eval_only:  # no training: the held-out accuracy of --resume's policy or of the model
+        return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
+    reference = None  # read under bf16 autocast alone: bf16 Linear weights (LoRA: adapter off)
+    if args.beta > 0:
+        bf16 = common.bf16_active(device, args.bf16)
+        reference = common.load_reference(policy, args.model_name_or_path, device, lora, bf16)
     reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
     policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     value_params = list(value_model.parameters())
-    trained = policy_params + value_params  # both models' trained parameters
-    lrs = args.learning_rate, args.value_learning_rate or args.learning_rate
-    groups = [{"params": policy_params, "lr": lrs[0]}, {"params": value_params, "lr": lrs[1]}]
-    optimizer = torch.optim.AdamW(  # fused: one kernel (CPU and CUDA)
-        groups, eps=args.adam_eps, weight_decay=args.weight_decay, fused=True
-    )
+    params = policy_params, value_params  # each model's gradients clipped on their own
+    value_lr = args.value_learning_rate or args.learning_rate
+    groups = [dict(params=policy_params), dict(params=value_params, lr=value_lr)]
+    adam = dict(lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(groups, **adam, fused=True)  # fused: one kernel (CPU and CUDA)
     start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
     bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
-    log = common.RunLog(run_dir, args, rank, start_step, checkpoint is not None, "ppo", bar)
-    sampler_model, options = common.sampler_for(policy, args, args.generation_prompts_per_call)
-    sampler = Sampler(sampler_model, options, tokenizer, questions, rank, world)  # bf16: a copy
+    log_args = (rank, start_step, checkpoint is not None, "ppo", bar, args.track)
+    log = common.RunLog(run_dir, dataclasses.asdict(args), *log_args)
+    sampler = Sampler(policy, tokenizer, questions, rank, world)
     if checkpoint is not None:
-        common.set_rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
+        common.rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
     else:
-        common.evaluate(policy, tokenizer, task, args, device, log, 0)  # held-out accuracy at start
+        log.evaluate(0, args.eval_size > 0, lambda: held_out(policy)[0])  # accuracy at the start
 
     # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
     M = minibatch_size * world  # sequences per minibatch, of every process: the losses divide by M
-    eps, eps_v, vf_coef = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1, N+ details
-    temperature, micro_batch_size, C = args.temperature, args.micro_batch_size, args.tis_cap  # TIS
+    coefs = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1's eps, N+ details
+    temperature, micro_batch_size = args.temperature, args.micro_batch_size
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
-        where = f"step {step + 1}"  # for the non-finite errors
         # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
-        batch = rollout(sampler, policy, args, device, step)  # Batch (--fast-generation: bf16 copy)
+        batch = rollout(sampler, args, device, step)  # Batch
         mask = batch.completion_mask  # (N, T): 1 up to and including each completion's first EOS
         gen_time = time.time() - t0
 
@@ -485,41 +429,33 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         for _ in range(args.num_ppo_epochs):
             for minibatch in torch.randperm(N, device=device).split(minibatch_size):  # new split
                 optimizer.zero_grad(set_to_none=True)
-                with common.train_mode((policy, value_model), args.gradient_checkpointing):
-                    for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
-                        with common.bf16_autocast(device, args.bf16):
-                            logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
-                            values = token_values(value_model, ids, att, t)
-                        old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
-                        adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
-                        tis = common.micro(batch.sampler_logp, idx, t)  # TIS, Yao et al. 2025
-                        loss, stats = ppo_loss(
-                            logp, old_lp, adv, values, old_v, ret, m, eps, eps_v, vf_coef, M, tis, C
-                        )
-                        common.check_finite_update(where, HINT, log.checkpoint, loss=loss)
-                        loss.backward()
-                        loss_stats.append({**stats, "entropy": (entropy * m).sum()})
-                common.all_reduce_gradients(trained)  # torchrun: DDP's
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy_params, args.max_grad_norm)
-                value_grad_norm = torch.nn.utils.clip_grad_norm_(value_params, args.max_grad_norm)
-                norms = dict(gradient_norm=grad_norm, value_gradient_norm=value_grad_norm)
-                common.check_finite_update(where, HINT, log.checkpoint, **norms)
-                optimizer.step()
-                common.check_finite_parameters(trained, where, HINT, log.checkpoint)
+                for model in (policy, value_model):  # HF recomputes activations in train mode
+                    model.train(args.gradient_checkpointing)
+                for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
+                    with common.bf16_autocast(device, args.bf16):
+                        logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
+                        values = token_values(value_model, ids, att, t)
+                    old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
+                    adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
+                    loss, stats = ppo_loss(logp, old_lp, adv, values, old_v, ret, m, *coefs, M)
+                    loss.backward()
+                    loss_stats.append({**stats, "entropy": (entropy * m).sum()})
+                policy.eval(), value_model.eval()
+                common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
+                norms = [common.clip_gradients(p, args.max_grad_norm, step) for p in params]
                 grad_norms.append(norms)
+                optimizer.step()
 
         # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
         beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        metrics = step_metrics(
-            args, batch, scores, kl, beta_used, loss_stats, grad_norms, t0, gen_time, t2
-        )
-        metrics |= value_metrics(old_values, returns, mask.bool())  # value/*: V_old and R_t
-        metrics |= sampler_mismatch(old_logp, batch.sampler_logp, mask)  # --fast-generation, bf16
-        log(step + 1, metrics)
+        timing = t0, gen_time, t2
+        metrics = step_metrics(args, batch, scores, kl, beta_used, loss_stats, grad_norms, *timing)
+        log(step + 1, metrics | value_metrics(old_values, returns, mask.bool()))  # V_old and R_t
         log.samples(step + 1, sample_lines(batch), args.sample_every)
-        common.evaluate(policy, tokenizer, task, args, device, log, step + 1)
+        due = step + 1 == args.total_steps or args.eval_every and (step + 1) % args.eval_every == 0
+        log.evaluate(step + 1, args.eval_size > 0 and due, lambda: held_out(policy)[0])
         save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
     log.close()
     if rank == 0 and args.total_steps > start_step:
@@ -533,9 +469,20 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
 # The N+ details' steps that are not equations: the rollout (step 1), the score (step 2), the
 # reward and value models
 # ----------------------------------------------------------------------------------------------
-def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
+@dataclasses.dataclass
+class Sampler:
+    """What step 1 samples with."""
+
+    policy: Any  # pi_old: the policy as it is when the step starts
+    tokenizer: Any
+    questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
+    rank: int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of a step
+    world: int
+
+
+def rollout(sampler: Sampler, args: Args, device, step: int) -> Batch:
     """Step 1: this process's N prompts of the step and one completion of each from pi_old, the
-    current policy (or its bf16 copy, first given the policy's current weights); scores unset.
+    current policy; scores unset.
 
     The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)``
     (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each reseeded
@@ -545,33 +492,25 @@ def rollout(sampler: Sampler, policy, args: Args, device, step: int) -> Batch:
     Raises:
         UsageError: the sampling probabilities are not finite (diverged weights).
     """
-    common.refresh_sampler(sampler.model, policy)  # --fast-generation: the policy's weights
     tokenizer, N = sampler.tokenizer, args.prompts_per_step // sampler.world
-    pad = tokenizer.pad_token_id
-    first = sampler.rank * N  # global index of this process's first prompt
+    first, pad = sampler.rank * N, tokenizer.pad_token_id  # this process's prompts: first + 0..N-1
     rng = np.random.default_rng([args.seed, step])
     picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
     examples = [sampler.questions[i] for i in picks[first : first + N]]
-    style = tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix)
+    style = (args.system_prompt, args.response_prefix)
     prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *style)
-    seeds = dict(seed_keys=(args.seed, step), first=first)
-    rows, row_logps = common.generate_completions(
-        sampler.model, prompts, 1, tokenizer, device, **seeds, **sampler.options
-    )
+    options = (args.temperature, args.top_p, args.max_new_tokens, args.bf16)
+    seeds = ((args.seed, step), first), args.generation_prompts_per_call
+    rows = common.generate_completions(sampler.policy, prompts, 1, tokenizer, options, *seeds)
     prompt_ids, prompt_mask = common.pad_left(prompts, pad, device)
-    T = max(len(r) for r in rows)
-    completion_ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows], device=device)
-    sampler_logp = None
-    if row_logps is not None:
-        sampler_logp = torch.tensor([r + [0.0] * (T - len(r)) for r in row_logps], device=device)
+    rows = [torch.tensor(row, device=device) for row in rows]  # padded after the EOS
+    completion_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
-    completion_ids = torch.where(mask.bool(), completion_ids, pad)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
     truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu()
-    P = prompt_ids.shape[1]
-    return Batch(examples, texts, input_ids, attention_mask, P, mask, truncated, sampler_logp)
+    return Batch(examples, texts, input_ids, attention_mask, prompt_ids.shape[1], mask, truncated)
 
 
 def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> Batch:
@@ -586,7 +525,7 @@ def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> B
     responses = [args.response_prefix + c for c in batch.completions]
     if reward_model is not None:
         inputs = batch.input_ids, batch.attention_mask, args.micro_batch_size, device, args.bf16
-        batch.score = common.score_with_reward_model(reward_model, *inputs)
+        batch.score = tasks.score_with_reward_model(reward_model, *inputs)
     else:
         batch.score, batch.reward_fns = tasks.score_task(task, responses, batch.examples)
     batch.correct = tasks.score_correct(task, responses, batch.examples)
@@ -607,14 +546,13 @@ def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, An
         path, flag = args.reward_model_path, "--reward-model-path"
         reward_model = common.load_reward_model(path, tokenizer, device)
         reward_model.eval().requires_grad_(False)  # frozen
-    value_model = common.load_model(path, kind="reward", device=device, flag=flag).eval()
+    value_model = common.load_model(path, "reward", device, flag, len(tokenizer)).eval()
     check(hasattr(value_model, "score"), f"{flag}: cannot attach a value head ('score') to {path}")
-    common.check_vocabulary(value_model, tokenizer, flag)
     if reward_model is None:
         for p in value_model.score.parameters():
             torch.nn.init.zeros_(p)
     if args.gradient_checkpointing:  # HF checkpoints in train mode only: the updates switch it on
-        common.enable_gradient_checkpointing(value_model)
+        value_model.activation_checkpointing_enable({"use_reentrant": False})
     return reward_model, value_model
 
 
@@ -633,24 +571,8 @@ def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Scale-out and speed: the bf16 sampler, micro-batches (torchrun: common.py)
+# Scale-out and speed: micro-batches (torchrun: common.py)
 # ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Sampler:
-    """What step 1 samples with (``common.sampler_for``): the policy itself, or with
-    --fast-generation its bfloat16 copy, refreshed in place before every rollout. Log probs for the
-    loss always come from the policy, so a bf16 sampler draws from a slightly different distribution
-    than the ratio and the KL assume: the gap is logged every step (sampling/logp_diff_*) and
-    --tis-cap corrects it."""
-
-    model: Any  # what generates: the policy, or its bfloat16 copy
-    options: dict  # common.generate_completions' options; "record": keep the sampler's log probs
-    tokenizer: Any
-    questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    rank: int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of a step
-    world: int
-
-
 def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int):
     """``indices`` in micro-batches of ``size`` sequences of similar completion length, each
     (idx, input_ids, attention_mask, t) trimmed of the padding it does not need (left of its longest
@@ -668,15 +590,11 @@ def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int):
 # TRY NOT TO MODIFY: run plumbing (validation, resume, metrics, logging, checkpoints)
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "ppo_lm.py"  # written into checkpoints: --resume refuses another script's
-FROZEN = {  # flags a resumed run cannot change, and why (and common.FROZEN_DATA)
-    "model_name_or_path": "the checkpoint holds this model's weights",
-    "reward_model_path": "the run's scores are its, and its value model started from it",
-    "lora_rank": "the checkpoint holds adapters of this rank (or the full policy)",
-    "lora_alpha": "the adapters were trained at this scale",
-    "lora_target_modules": "the checkpoint holds adapters of these modules",
-}
-# what to check after a non-finite update
-HINT = "--learning-rate, --value-learning-rate, --max-grad-norm, --beta and the reward"
+# the flags a resumed run cannot change: its directory, data, objective, weights' shapes
+FROZEN = ("model_name_or_path", "runs_dir", "run_name", "task", "dataset", "prompt_field",
+          "answer_field", "eval_size", "max_prompt_length", "system_prompt", "response_prefix",
+          "reward_fn", "reward_weights", "reward_model_path", "lora_rank", "lora_alpha",
+          "lora_target_modules")  # fmt: skip
 # ppo_loss's sums, added over the micro-batches of a step
 SUMMED = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy")
 
@@ -684,10 +602,12 @@ SUMMED = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "ap
 def validate(args: Args) -> None:
     """One-line errors (:class:`UsageError`, naming the flag) for flag values that cannot work,
     before anything loads: each flag's own constraint and the rules both LM scripts share
-    (``common.check_lm_flags``, ``tasks.check_task_flags``), then PPO's."""
-    common.check_lm_flags(args)
+    (``common.check_flags``, ``tasks.check_task_flags``), then PPO's."""
+    common.check_flags(Args, dataclasses.asdict(args))
     prompt_flags = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
-    tasks.check_task_flags(args.format_reward, args.reward_fn, args.reward_weights, *prompt_flags)
+    tasks.check_task_flags(args.reward_fn, args.reward_weights, *prompt_flags)
+    two = "--reward-fn and --reward-model-path are two rewards: pick one"
+    check(not (args.reward_fn and args.reward_model_path), two)
     prompts, world, minibatches = args.prompts_per_step, common.world_size(), args.num_minibatches
     divisible = f"must be divisible by --num-minibatches {minibatches}"
     check(prompts % minibatches == 0, f"--prompts-per-step {prompts} {divisible}")
@@ -703,22 +623,13 @@ def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer)
     """Resume: the checkpoint's weights and optimizer state, whose hyperparameters the flags given
     now set again (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay). Returns the
     step to start from and its KL coefficient: with --adaptive-kl-target on resume the controller's
-    saved value, else --beta (0 and --beta without a checkpoint).
-
-    Raises:
-        UsageError: the checkpoint's tensors do not fit the models (another model's checkpoint).
-    """
+    saved value, else --beta (0 and --beta without a checkpoint). The frozen flags make the
+    shapes agree."""
     if checkpoint is None:
         return 0, args.beta
-    try:
-        common.load_trained_weights(policy, checkpoint["policy"])
-        value_model.load_state_dict(checkpoint["value_model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(
-            f"--resume: {args.resume} does not fit {args.model_name_or_path} "
-            f"({type(e).__name__}: {common.first_line(e)[:200]})"
-        ) from None
+    common.load_trained_weights(policy, checkpoint["policy"])  # the same models: the weights fit
+    value_model.load_state_dict(checkpoint["value_model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
     lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
@@ -743,7 +654,7 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
     ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in loss_stats))
     ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in loss_stats))
     tokens, now = max(totals["tokens"], 1), time.time()
-    norms = {k: sum(float(n[k]) for n in grad_norms) / len(grad_norms) for k in grad_norms[0]}
+    norms = [sum(float(n[k]) for n in grad_norms) / len(grad_norms) for k in (0, 1)]
     return {
         "reward/mean": rewards_task.mean().item(),
         "reward/std": rewards_task.std().item(),
@@ -764,8 +675,8 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
         "kl/beta": beta,
         "completion/length_mean": lengths.float().mean().item(),
         "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": norms["gradient_norm"],
-        "optim/value_grad_norm": norms["value_gradient_norm"],
+        "optim/grad_norm": norms[0],
+        "optim/value_grad_norm": norms[1],
         "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": now - t0 - gen_time,
@@ -781,33 +692,13 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tens
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
     # each process has its own number of valid tokens: gathered as objects, any length
-    returns_all, values_all = (
-        torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values)
+    gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
+    returns, values = gathered  # every process's valid tokens
+    explained = (
+        (1 - (returns - values).var() / returns.var()).item() if returns.var() > 0 else float("nan")
     )
-    var_returns = returns_all.var()
-    explained = float("nan")
-    if var_returns > 0:
-        explained = (1 - (returns_all - values_all).var() / var_returns).item()
-    return {
-        "value/mean": values_all.mean().item(),
-        "value/returns_mean": returns_all.mean().item(),
-        "value/explained_variance": explained,
-    }
-
-
-def sampler_mismatch(old_logp, sampler_logp, mask) -> dict[str, float]:
-    """``sampling/logp_diff_mean`` and ``_max``: |log pi_old - log pi_sampler| over the valid tokens
-    of every process, logged whenever the sampler is not the trained module (the bf16 copy, bf16
-    autocast; ``sampler_logp`` None otherwise: nothing)."""
-    if sampler_logp is None:
-        return {}
-    # the tokens in the loss only: past the EOS stands padding
-    diff = torch.where(mask.bool(), (old_logp - sampler_logp).abs(), 0.0)
-    total, tokens = common.all_reduce(torch.stack([diff.sum(), mask.sum()])).tolist()
-    return {
-        "sampling/logp_diff_mean": total / max(tokens, 1),
-        "sampling/logp_diff_max": common.all_reduce(diff.max(), "max").item(),
-    }
+    mean = {"value/mean": values.mean().item(), "value/returns_mean": returns.mean().item()}
+    return mean | {"value/explained_variance": explained}
 
 
 def save_checkpoint(log, step: int, args: Args, policy, value_model, optimizer, beta) -> None:
@@ -815,20 +706,11 @@ def save_checkpoint(log, step: int, args: Args, policy, value_model, optimizer, 
     exactly (the next step's beta included; not the reference, which resume loads from
     --model-name-or-path, which cannot change)."""
     due = (args.save_every and step % args.save_every == 0) or step == args.total_steps
-    if not (log.is_main and due):
-        return
-    state = {
-        "script": SCRIPT,
-        "policy": common.trained_weights(policy),
-        "value_model": value_model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": step,
-        "kl_coef": beta,
-        "args": dataclasses.asdict(args),
-        "rng": common.get_rng_state(),
-        "digests": common.input_digests(args.dataset, args.reward_fn),
-    }
-    common.atomic_save(state, log.checkpoint)
+    if log.is_main and due:
+        state = dict(script=SCRIPT, step=step, args=dataclasses.asdict(args), kl_coef=beta)
+        state |= dict(policy=common.trained_weights(policy), value_model=value_model.state_dict())
+        state |= dict(optimizer=optimizer.state_dict(), rng=common.rng_state())
+        common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch) -> list[str]:

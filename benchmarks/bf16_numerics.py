@@ -9,9 +9,8 @@ then the sampled tokens' log probs are computed
   * under bf16 autocast with grpo_lm.token_log_probs (body in bf16, LM head and log-softmax in
     float32),
 
-and the per-token k3 KL between policy and reference (DeepSeekMath eq. 4) is read off each. The bf16
-sampler of --fast-generation is compared with the float32 learner too, with RoPE's inv_freq cast to
-bf16 (the old `.to(torch.bfloat16)` copy) and kept float32 (common.bf16_sampler).
+and the per-token k3 KL between policy and reference (DeepSeekMath eq. 4) is read off each, with the
+RoPE angle error of an inv_freq cast to bf16.
 
     python benchmarks/bf16_numerics.py              # SmolLM2-135M-Instruct, GSM8K questions
     python benchmarks/bf16_numerics.py --model-name-or-path DIR --prompts 8
@@ -76,12 +75,6 @@ def forward_log_probs(model, batch, temperature: float, autocast: bool = False) 
     )
 
 
-def sampler_log_probs(sampler, batch, temperature: float) -> torch.Tensor:
-    """(N, T) log probs under a bf16-weight sampler, computed as it samples (no autocast, bf16
-    head)."""
-    return forward_log_probs(sampler, batch, temperature)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-name-or-path", default=common.DEFAULT_MODEL)
@@ -124,18 +117,8 @@ def main() -> None:
         ]
         for ex in task.test[: args.prompts]
     ]
-    rows, _ = common.generate_completions(
-        policy,
-        prompts,
-        1,
-        tokenizer,
-        torch.device("cpu"),
-        temperature=args.temperature,
-        top_p=1.0,
-        max_new_tokens=args.max_new_tokens,
-        seed_keys=(args.seed,),
-        first=0,
-    )
+    options = (args.temperature, 1.0, args.max_new_tokens, False)  # T, top-p, tokens, bf16
+    rows = common.generate_completions(policy, prompts, 1, tokenizer, options, ((args.seed,), 0))
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id)
     T = max(map(len, rows))
     completions = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])
@@ -162,17 +145,6 @@ def main() -> None:
         d = (lp - truth_policy)[valid].abs()
         rows_out.append((label, kl(lp, lr), d.mean().item(), d.max().item()))
 
-    old_sampler = (
-        copy.deepcopy(policy).to(torch.bfloat16).eval()
-    )  # the old --fast-generation copy: buffers cast too
-    new_sampler = common.bf16_sampler(policy)
-    sampler_rows = []
-    for label, sampler in (
-        ("bf16 copy, inv_freq cast to bf16 (before)", old_sampler),
-        ("bf16 copy, inv_freq float32 (now)", new_sampler),
-    ):
-        d = (sampler_log_probs(sampler, batch, args.temperature) - truth_policy)[valid].abs()
-        sampler_rows.append((label, d.mean().item(), d.max().item()))
     inv = dict(policy.named_buffers())
     inv_freq = next(v for k, v in inv.items() if k.endswith("inv_freq"))
     pos = torch.tensor(600.0)
@@ -190,12 +162,6 @@ def main() -> None:
         "|-|-|-|-|",
     ]
     lines += [f"| {label} | {k:.3g} | {m:.3g} | {x:.3g} |" for label, k, m, x in rows_out]
-    lines += [
-        "",
-        "| --fast-generation sampler vs. float32 learner | mean abs dlogp | max abs dlogp |",
-        "|-|-|-|",
-    ]
-    lines += [f"| {label} | {m:.3g} | {x:.3g} |" for label, m, x in sampler_rows]
     lines += [
         "",
         f"RoPE angle error of a bf16 inv_freq at position 600: {angle_error:.3g} rad (largest over "

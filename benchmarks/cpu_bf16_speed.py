@@ -4,12 +4,12 @@
 
 On the default model (SmolLM2-135M-Instruct) and the main job's shapes before 2026-11-25 (4 addition
 questions, G = 8, up to 64 new tokens, micro-batches of 8 completions sharing one prompt), it times,
-float32 and then bf16 autocast (LM head and log-softmax in float32, as grpo_lm.float32_lm_head
+float32 and then bf16 autocast (LM head and log-softmax in float32, as common.float32_lm_head
 does), alternating the two and keeping each one's fastest of --repeats: the sampling of the 32
 completions (``common.generate_completions``), the no-grad log-prob pass of steps 4 and the
 forward + backward of step 5, and torch.multinomial against the exponential race (Gumbel-max) on one
 (32, V) distribution. It reports the log-prob gap bf16 makes (|logp_bf16 - logp_fp32| per token,
-what sampling/logp_diff_* logs) and the CPU's flags.
+the gap bf16 autocast puts between learner and float32) and the CPU's flags.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ def main() -> None:
     policy = common.load_model(common.DEFAULT_MODEL).eval()
     questions = [q["question"] for q in tasks.make_addition_task(128).train[:4]]
     prompts = tasks.prompt_ids(tokenizer, questions, None, "")
-    options = dict(temperature=0.7, top_p=1.0, max_new_tokens=64, seed_keys=(1, 0), first=0)
-    cpu_dev = torch.device("cpu")
     autocast = {
         "float32": contextlib.nullcontext,
         "bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
@@ -61,11 +59,11 @@ def main() -> None:
 
     def sample(kind):
         with autocast[kind]():
-            return common.generate_completions(
-                policy, prompts, 8, tokenizer, cpu_dev, **options, record=True
-            )
+            # --bf16's autocast (on a CPU with AVX512-BF16), which replaces the one around it
+            options = (0.7, 1.0, 64, kind == "bf16")  # temperature, top-p, new tokens, bf16
+            return common.generate_completions(policy, prompts, 8, tokenizer, options, ((1, 0), 0))
 
-    rows, _ = sample("float32")
+    rows = sample("float32")
     T = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (T - len(r)) for r in rows])

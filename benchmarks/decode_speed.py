@@ -10,9 +10,7 @@ two run to the cap, and ``generate`` decodes every row until the last one ends; 
 forced at the length it had in a batch of a trained model (``TRAINED``: the main job's final
 policy, seed 1), the tokens before it drawn as the sampler draws them. Timed, alternating, fastest
 of --repeats: ``generate`` (the sampler before 2026-11-26: the prompts but their last token through
-the model once, then ``generate`` on the repeated rows), ``decode``, and from --fast-generation's
-bf16 copy of the policy ``decode`` and ``generate`` with a static cache (what --fast-generation
-did before: compiled on CUDA, its first call with the compilation). Prints a table.
+the model once, then ``generate`` on the repeated rows) and ``decode``. Prints a table.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-import grpo_lm  # noqa: E402
 import tasks  # noqa: E402
 
 # completion lengths (EOS included) of 64 samples (8 training questions x 8, T = 0.7) of the final
@@ -80,8 +77,6 @@ def main() -> None:
         rope = {"rope_theta": 100000.0, "rope_type": "default"}
         config = LlamaConfig(**shape, rope_parameters=rope)
         policy = LlamaForCausalLM(config).to(device).eval()
-    grpo_lm.float32_lm_head(policy)
-    bf16_copy = common.bf16_sampler(policy)
     eos = policy.config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     pad = tokenizer.pad_token_id if tokenizer else eos
@@ -96,29 +91,26 @@ def main() -> None:
 
     def sample(kind: str) -> list:
         torch.manual_seed(0)
-        model = bf16_copy if kind.endswith("bf16 copy") else policy
         pick = EndAt(common.DrawNextToken(0.7, 1.0, len(ids) * G), TRAINED, eos, device)
-        with torch.no_grad(), common.bf16_autocast(device, autocast and model is policy):
-            if kind.startswith("decode"):
-                return common.decode(model, ids, att, new_tokens, eos, pad, pick, repeats=G)
-            cache = None  # generate: the prompts but their last token once, as the sampler did
-            if "static" not in kind:
-                prefix = dict(input_ids=ids[:, :-1], attention_mask=att[:, :-1])
-                prefix["position_ids"] = (att.cumsum(1) - 1).clamp(min=0)[:, :-1]
-                cache = model(**prefix, use_cache=True).past_key_values
-                cache.batch_repeat_interleave(G)
+        with torch.no_grad(), common.bf16_autocast(device, autocast):
+            if kind == "decode":
+                return common.decode(policy, ids, att, new_tokens, eos, pad, pick, repeats=G)
+            # generate: the prompts but their last token once, as the sampler did
+            prefix = dict(input_ids=ids[:, :-1], attention_mask=att[:, :-1])
+            prefix["position_ids"] = (att.cumsum(1) - 1).clamp(min=0)[:, :-1]
+            cache = policy(**prefix, use_cache=True).past_key_values
+            cache.batch_repeat_interleave(G)
             rows, mask = ids.repeat_interleave(G, 0), att.repeat_interleave(G, 0)
             kw = dict(max_new_tokens=new_tokens, pad_token_id=pad, eos_token_id=eos)
-            kw["cache_implementation"] = "static" if "static" in kind else None
-            out = model.generate(
+            out = policy.generate(
                 rows, attention_mask=mask, past_key_values=cache, do_sample=False,
                 logits_processor=[pick.processor], **kw,
             )  # fmt: skip
             return out[:, rows.shape[1] :].tolist()  # .tolist() waits for the GPU
 
-    kinds = ["generate", "decode", "decode, bf16 copy", "generate static, bf16 copy"]
+    kinds = ["generate", "decode"]
     outputs, warm_up = {}, {}
-    for kind in kinds:  # the static cache compiles on CUDA here
+    for kind in kinds:
         start = time.perf_counter()
         outputs[kind] = sample(kind)
         warm_up[kind] = time.perf_counter() - start

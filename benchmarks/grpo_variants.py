@@ -29,6 +29,7 @@ curves, the exact commands and the machine go to --out, rewritten after every ru
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -152,14 +153,22 @@ def command(name: str, opts: argparse.Namespace) -> list[str]:
         str(opts.eval_every),
         "--seed",
         str(opts.seed),
-        "--torch-threads",
-        str(opts.torch_threads),
         "--runs-dir",
         opts.runs_dir,
         "--run-name",
         run_dir_name(name, opts.steps, opts.seed),
         *opts.extra,
     ]
+
+
+def threads_env(opts: argparse.Namespace) -> dict[str, str]:
+    """--torch-threads N as the child's OMP_NUM_THREADS (grpo_lm.py's flag until issue 39)."""
+    return {"OMP_NUM_THREADS": str(opts.torch_threads)} if opts.torch_threads else {}
+
+
+def shown_command(name: str, opts: argparse.Namespace) -> str:
+    env = [f"{k}={v}" for k, v in threads_env(opts).items()]
+    return " ".join(env + ["python" if c == sys.executable else c for c in command(name, opts)])
 
 
 def run_dir_of(name: str, opts: argparse.Namespace) -> Path:
@@ -173,7 +182,7 @@ def run_dir_of(name: str, opts: argparse.Namespace) -> Path:
 def report(variants: list[str], opts: argparse.Namespace) -> str:
     rows, curves, commands = [], [], []
     for name in variants:
-        shown = " ".join("python" if c == sys.executable else c for c in command(name, opts))
+        shown = shown_command(name, opts)
         if name in opts.reuse:
             shown = (
                 f"the first {opts.steps} steps of {run_dir_of(name, opts).name} (same flags but "
@@ -230,7 +239,10 @@ def main() -> None:
     )
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument(
-        "--torch-threads", type=int, default=0, help="passed to grpo_lm.py (0 = torch's default)"
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="OMP_NUM_THREADS of each grpo_lm.py run (0 = torch's default)",
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "grpo_variants_results.md"))
     parser.add_argument("--runs-dir", default=str(ROOT / "benchmarks" / "out"))
@@ -277,9 +289,9 @@ def main() -> None:
             parser.error(f"--reuse {name}: {run_dir} has no evaluation at step {opts.steps}")
         if run_dir.exists():  # an unfinished run: start it again from nothing
             shutil.rmtree(run_dir)
-        cmd = command(name, opts)
-        print(" ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
+        print(shown_command(name, opts), flush=True)
+        env = os.environ | threads_env(opts)
+        subprocess.run(command(name, opts), cwd=ROOT, check=True, env=env)
         Path(opts.out).write_text(
             report(variants, opts)
         )  # after every run, so a stopped sweep keeps its rows

@@ -13,6 +13,10 @@ phrased another way ("What is a + b? Give the final answer as a number."): probl
 never saw, in a prompt it never saw. Writes a table of each side (and the ratios new / old), with
 the CPU (`lscpu` model and flags) and the command, to ``--out``; benchmarks/main_job_results.md
 collects those tables by hand.
+
+The extra flags after ``--`` go to each side that has them (its ``grpo_lm.py --help``);
+``--torch-threads N`` becomes ``OMP_NUM_THREADS=N`` on a side without the flag (issue 39 removed
+it), any other flag a side lacks is left out of its runs, and the table says so.
 """
 
 from __future__ import annotations
@@ -58,10 +62,39 @@ def scalars(run_dir: Path) -> dict[str, list]:
     }
 
 
-def run(tree: Path, seed: int, out: Path, name: str, extra: list[str]) -> dict:
-    """One main job from ``tree``; its wall time, peak RSS, phases and accuracies."""
+def side_flags(tree: Path, extra: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
+    """(the flags of ``extra`` that ``tree``'s grpo_lm.py has, environment variables, notes): a
+    flag it lacks is left out (a note says so), --torch-threads N as OMP_NUM_THREADS=N."""
+    env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1"}
+    usage = subprocess.run(
+        [sys.executable, "grpo_lm.py", "--help"], cwd=tree, env=env, capture_output=True, text=True
+    )
+    if usage.returncode:
+        sys.exit(f"{tree}/grpo_lm.py --help failed:\n{usage.stderr[-2000:]}")
+    known = set(re.findall(r"--[a-z0-9][a-z0-9-]*", usage.stdout + usage.stderr))
+    kept, threads, notes, i = [], {}, [], 0
+    while i < len(extra):
+        j = i + 1  # a flag's values: up to the next --flag
+        while j < len(extra) and not extra[j].startswith("--"):
+            j += 1
+        flag = extra[i].split("=")[0]
+        if not flag.startswith("--") or flag in known:
+            kept += extra[i:j]
+        elif flag == "--torch-threads":
+            threads["OMP_NUM_THREADS"] = (extra[i].split("=")[1:] or extra[i + 1 : j])[0]
+            notes.append(f"{' '.join(extra[i:j])} as OMP_NUM_THREADS={threads['OMP_NUM_THREADS']}")
+        else:
+            notes.append(f"{' '.join(extra[i:j])} left out (no such flag)")
+        i = j
+    return kept, threads, notes
+
+
+def run(tree: Path, seed: int, out: Path, name: str, flags: tuple) -> dict:
+    """One main job from ``tree`` with its :func:`side_flags` ``flags``; its wall time, peak RSS,
+    phases and accuracies."""
+    extra, threads, _ = flags
     home = Path(tempfile.mkdtemp(prefix="main-job-home-"))
-    env = {**os.environ, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    env = {**os.environ, **threads, "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
     cmd = [sys.executable, "grpo_lm.py", "--group-size", "8", "--seed", str(seed)]
     cmd += ["--runs-dir", str(out), "--run-name", name, *extra]
     start = time.time()
@@ -129,15 +162,19 @@ def main() -> None:
         trees["old"].mkdir()
         archive = subprocess.run(["git", "archive", opts.old], cwd=ROOT, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(trees["old"])], input=archive.stdout, check=True)
+    flags = {side: side_flags(tree, opts.extra) for side, tree in trees.items()}
+    for side, (_, _, notes) in flags.items():
+        if notes:
+            print(f"{side}: {'; '.join(notes)}", flush=True)
     results = {}
     for seed in opts.seeds:
         for side, tree in trees.items():
-            results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", opts.extra)
+            results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", flags[side])
             print(side, seed, json.dumps(results[side, seed]), flush=True)
-    write(results, opts, list(trees))
+    write(results, opts, list(trees), {side: notes for side, (_, _, notes) in flags.items()})
 
 
-def write(results: dict, opts, sides: list[str]) -> None:
+def write(results: dict, opts, sides: list[str], notes: dict[str, list[str]]) -> None:
     mean = {
         side: {
             key: sum(results[side, s][key] for s in opts.seeds) / len(opts.seeds)
@@ -171,7 +208,8 @@ def write(results: dict, opts, sides: list[str]) -> None:
         f"Command: `python benchmarks/main_job.py {old}--seeds "
         f"{' '.join(map(str, opts.seeds))}{' -- ' + ' '.join(opts.extra) if opts.extra else ''}`;"
         " each run is `python grpo_lm.py --group-size 8 --seed S` (with those extra flags) from an"
-        " empty model cache, one at a time.",
+        " empty model cache, one at a time."
+        + "".join(f" {side}: {'; '.join(notes[side])}." for side in sides if notes[side]),
         "",
         "| " + " | ".join(columns) + " |",
         "|-" * len(columns) + "|",

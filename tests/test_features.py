@@ -1,16 +1,14 @@
 """What users reach for next (issue 16), wired into the LM scripts: their own reward functions from
-the command line, the think/answer format with a system prompt and a response prefix, their own
-JSONL data, Countdown."""
+the command line, a system prompt and a response prefix, their own JSONL data. (Countdown and the
+think/answer format: examples/, tests/test_examples.py.)"""
 
 import json
 
 import pytest
-from conftest import make_tiny_model
 from test_grpo_lm import tiny_args
 
 import common
 import grpo_lm
-import tasks
 
 REWARDS = """
 def digits(completion, example):
@@ -53,15 +51,12 @@ def test_weighted_reward_functions_are_summed_and_each_is_logged(
 
 
 def test_the_task_spec_is_the_tasks_own_reward(tiny_model_dir, tmp_path, reward_file):
-    plain = grpo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1, format_reward=0.5)
-    )
+    plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1))
     mixed = grpo_lm.main(
         tiny_args(
             tiny_model_dir,
             tmp_path / "b",
             total_steps=1,
-            format_reward=0.5,
             reward_fn=["task", f"{reward_file}:answer_length"],
             reward_weights=[1.0, 0.0],
         )
@@ -77,19 +72,11 @@ def test_reward_functions_read_the_response_prefix(tiny_model_dir, tmp_path, rew
             tmp_path,
             total_steps=1,
             response_prefix="<think>",
-            answer_format="think",
             system_prompt="Think first.",
             reward_fn=[f"{reward_file}:starts_with_prefix"],
         )
     )
-    assert h["reward/mean"] == [1.0] and h["reward/accuracy"] == [
-        0.0
-    ]  # the random model writes no <answer> block
-    args = grpo_lm.Args(answer_format="think")
-    assert tasks.prompt_style(args.answer_format, args.system_prompt, args.response_prefix) == (
-        tasks.THINK_ANSWER_SYSTEM_PROMPT,
-        "",
-    )
+    assert h["reward/mean"] == [1.0] and h["reward/starts_with_prefix/mean"] == [1.0]
 
 
 def test_own_jsonl_data_with_other_field_names(tiny_model_dir, tmp_path, reward_file):
@@ -131,25 +118,6 @@ def test_own_jsonl_data_with_other_field_names(tiny_model_dir, tmp_path, reward_
         )  # a run of its own: "run" holds the first one's checkpoint
 
 
-def test_countdown_runs(tmp_path):
-    model = make_tiny_model(tmp_path / "model", positions=1024)  # Countdown's prompts: 384 tokens
-    h = grpo_lm.main(
-        tiny_args(
-            model,
-            tmp_path,
-            total_steps=1,
-            task="countdown",
-            answer_format="think",
-            format_reward=0.1,
-            max_prompt_length=1000,
-        )
-    )
-    assert h["reward/mean"] == [0.0] and h["eval/accuracy"] == [
-        0.0,
-        0.0,
-    ]  # a random model solves none
-
-
 # ---------------------------------------------------------------------------------------------
 # ppo_lm: the same flags
 # ---------------------------------------------------------------------------------------------
@@ -176,24 +144,6 @@ def test_ppo_weighted_reward_functions(tiny_model_dir, tmp_path, reward_file):
         h["reward/mean"][0] == pytest.approx(total, rel=1e-6)
         and 2 <= h["reward/answer_length/mean"][0] <= 3
     )
-
-
-def test_ppo_countdown_with_the_think_format(tmp_path):
-    import ppo_lm
-
-    model = make_tiny_model(tmp_path / "model", positions=1024)  # Countdown's prompts: 384 tokens
-    h = ppo_lm.main(
-        ppo_args(
-            model,
-            tmp_path,
-            total_steps=1,
-            task="countdown",
-            answer_format="think",
-            response_prefix="<think>",
-            max_prompt_length=1000,
-        )
-    )
-    assert h["reward/mean"] == [0.0] and h["reward/accuracy"] == [0.0]
 
 
 def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
@@ -234,14 +184,15 @@ def test_ppo_track_writes_an_offline_wandb_run(
     import ppo_lm
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    ppo_lm.main(
-        ppo_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
-        task=digit_task(),
-    )
+    monkeypatch.setenv("WANDB_PROJECT", "tests-project")
+    ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, total_steps=1, track=True), task=digit_task())
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     record = runs[0].read_bytes()  # wandb's own log
-    assert b"num_ppo_epochs" in record and b"reward/mean" in record and b"loss/value" in record
+    assert b"num_ppo_epochs" in record  # the config
+    logs = (runs[0].parent / "logs" / "debug.log").read_text()
+    assert "finishing run tests-project/run" in logs
+    # the synced TensorBoard scalars: test_grpo_lm.py's test_track_syncs_the_tensorboard_scalars
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,40 +212,9 @@ def one_step_run(module, model_dir, tmp_path, **flags) -> dict:
         sample_every=0,
         total_steps=1,
         seed=3,
-        torch_threads=1,
         **size,
         **flags,
     )
-
-
-@pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
-def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp_path, reward_file):
-    # the same paths with other contents: the data and the reward of the steps left would not be the
-    # run's
-    module = __import__(module)
-    rows = [{"question": f"What is {i} + 2?", "answer": f"#### {i + 2}"} for i in range(30)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    kw = one_step_run(
-        module, tiny_model_dir, tmp_path, dataset=str(data), reward_fn=[f"{reward_file}:digits"]
-    )
-    module.main(module.Args(**kw))
-    ckpt = str(tmp_path / "run" / "checkpoint.pt")
-    resume = module.Args(**{**kw, "resume": ckpt, "total_steps": 2})
-    with open(data, "a") as f:  # a line added
-        f.write(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
-    with pytest.raises(
-        common.UsageError, match=r"^--dataset: .*data.jsonl has changed since this run started"
-    ):
-        module.main(resume)
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # back as it was: resumes
-    reward_file.write_text(REWARDS + "\n# edited\n")
-    with pytest.raises(
-        common.UsageError, match=r"^--reward-fn: .*my_rewards.py has changed since this run started"
-    ):
-        module.main(resume)
-    reward_file.write_text(REWARDS)
-    assert module.main(resume)["reward/mean"]  # the same files: the run goes on
 
 
 @pytest.mark.parametrize("module", ["grpo_lm", "ppo_lm"])
@@ -302,10 +222,8 @@ def test_resume_refuses_changed_data_or_reward_files(module, tiny_model_dir, tmp
     "change",
     [
         dict(task="multistep"),
-        dict(answer_format="think"),
         dict(system_prompt="Be brief."),
         dict(response_prefix="The answer:"),
-        dict(format_reward=0.5),
         dict(max_prompt_length=100),
         dict(reward_fn=["task"]),
         dict(reward_weights=[2.0]),
@@ -318,7 +236,7 @@ def test_resume_refuses_a_change_of_task_prompt_or_reward(
     task_spec = ["task"] if "reward_weights" in change else []
     kw = one_step_run(module, tiny_model_dir, tmp_path, reward_fn=task_spec)
     module.main(module.Args(**kw))
-    flag = common.flag_name(next(iter(change)))
+    flag = "--" + next(iter(change)).replace("_", "-")
     with pytest.raises(common.UsageError, match=rf"^{flag}: cannot change when resuming"):
         module.main(
             module.Args(

@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,8 +30,6 @@ def test_group_advantages_hand_computed():
     expected = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, 0, 0, 0, 0, 1 / s3, -1 / s3, 0, 0]
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=0, atol=1e-6)
     assert not torch.isnan(grpo_lm.group_advantages(torch.zeros(8), 8, eps=1e-4)).any()
-    with pytest.raises(ValueError):
-        grpo_lm.group_advantages(torch.zeros(6), 4)
 
 
 def test_k3_kl_values_nonnegative_and_zero_when_equal():
@@ -230,10 +227,7 @@ def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
 def test_the_tied_embedding_makes_a_sparse_gradient_with_the_same_sum(tiny_model_dir):
     # on a CPU the policy's input embedding, tied to its LM head, gives autograd its looked-up rows
     # only; the parameter's gradient stays dense and equals the dense embedding's to float rounding
-    args = SimpleNamespace(
-        model_name_or_path=str(tiny_model_dir), lora_rank=0, gradient_checkpointing=False
-    )
-    policy = common.load_policy(args, "cpu")
+    policy = common.load_policy(str(tiny_model_dir), "cpu", None, False)
     embedding = policy.get_input_embeddings()
     assert embedding.sparse and embedding.weight is policy.get_output_embeddings().weight
     tok = common.load_tokenizer(str(tiny_model_dir))
@@ -257,11 +251,10 @@ def test_the_tied_embedding_makes_a_sparse_gradient_with_the_same_sum(tiny_model
 def test_a_bf16_reference_gives_autocasts_log_probs_exactly(tiny_model_dir, monkeypatch):
     # under --bf16 autocast the reference keeps its Linear weights (not the LM head's) in bf16:
     # the same log probs, bit for bit, as the float32 reference under autocast; reset by
-    # --iterations > 1 from the float32 policy, it stays float32
+    # --iterations > 1 from the float32 policy, it stays float32 (main passes bf16_weights False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    args = dict(model_name_or_path=str(tiny_model_dir), beta=0.04, lora_rank=0, bf16=True)
-    reference = common.load_reference(None, SimpleNamespace(**args, iterations=1), "cpu")
-    float32 = common.load_reference(None, SimpleNamespace(**args, iterations=2), "cpu")
+    reference = common.load_reference(None, str(tiny_model_dir), "cpu", False, True)
+    float32 = common.load_reference(None, str(tiny_model_dir), "cpu", False, False)
     dtypes = {p.dtype for p in float32.parameters()}
     assert dtypes == {torch.float32} and reference.lm_head.weight.dtype == torch.float32
     assert reference.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
@@ -283,8 +276,8 @@ def test_reward_model_reads_the_last_real_token(tiny_reward_model_dir):
     a = tok(["12+3=15<eos>"], return_tensors="pt", add_special_tokens=False)
     padded_ids = torch.cat([a["input_ids"], torch.full((1, 3), tok.pad_token_id)], 1)
     padded_mask = torch.cat([a["attention_mask"], torch.zeros(1, 3, dtype=torch.long)], 1)
-    s1 = common.reward_model_scores(rm, a["input_ids"], a["attention_mask"])
-    s2 = common.reward_model_scores(rm, padded_ids, padded_mask)
+    s1 = tasks.reward_model_scores(rm, a["input_ids"], a["attention_mask"])
+    s2 = tasks.reward_model_scores(rm, padded_ids, padded_mask)
     with torch.no_grad():
         expected = rm(**a).logits.squeeze(-1)  # HF pools the last non-pad token too
     torch.testing.assert_close(s1, expected)
@@ -298,11 +291,13 @@ def test_final_number_and_rewards():
     assert tasks.extract_final_number("12 + 34 = 46.") == 46.0
     assert tasks.extract_final_number("it is -1,234.5 now") == -1234.5
     assert tasks.extract_final_number("__import__('os').system('x')") is None
-    task = tasks.make_addition_task(num_test=16, format_reward=0.1)
+    task = tasks.make_addition_task(num_test=16)
     assert len(task.test) == 16 and len(task.train) == 90 * 90 - 16
-    assert task.reward_fn("12 + 13 = 25", {"answer": "25"}) == pytest.approx(1.1)
-    assert task.reward_fn("25, I think so", {"answer": "25"}) == pytest.approx(1.0)
-    assert task.reward_fn("26", {"answer": "25"}) == pytest.approx(0.1)
+    assert task.reward_fn("12 + 13 = 25", {"answer": "25"}) == 1.0
+    assert task.reward_fn("25, I think so", {"answer": "25"}) == 1.0
+    assert task.reward_fn("26", {"answer": "25"}) == 0.0
+    assert task.reward_fn("25.0000001", {"answer": "25"}) == 1.0  # within 1e-6
+    assert task.reward_fn("no number", {"answer": "25"}) == 0.0
 
 
 def test_gsm8k_loader_real_file_and_errors(tmp_path):
@@ -313,7 +308,7 @@ def test_gsm8k_loader_real_file_and_errors(tmp_path):
         assert all(tasks.extract_final_number(ex["answer"]) is not None for ex in task.test)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "a #### 3"}) + "\n{not json\n")
-    with pytest.raises(common.UsageError, match=r"bad.jsonl:2: not valid JSON"):
+    with pytest.raises(common.UsageError, match=r"bad.jsonl:2: Expecting property name"):
         tasks.load_jsonl_task(bad, num_test=0)
     bad.write_text(json.dumps({"question": "q", "answer": "no final number"}) + "\n")
     with pytest.raises(
@@ -370,28 +365,17 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
     assert history["loss/kl"][-1] > 0  # the policy moved away from the reference
 
 
-def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
-    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights
-    # follow the policy
-    history = grpo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path, total_steps=25, fast_generation=True), task=digit_task()
-    )
-    rewards = history["reward/mean"]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
-
-
 def test_a_bf16_cpu_samples_and_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
     # issue 24: --bf16 on a CPU with native bf16 runs sampling, the reference pass and the update
-    # under bf16 autocast, so the sampler's own log probs are recorded and their distance from the
-    # float32 policy's is logged; the policy still learns. --no-bf16: float32, nothing recorded.
+    # under bf16 autocast; the policy still learns. --no-bf16: float32, other numbers from step 1
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert common.bf16_active(torch.device("cpu"), True)
     history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=25), task=digit_task())
-    rewards, diff = history["reward/mean"], history["sampling/logp_diff_mean"]
+    rewards = history["reward/mean"]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
-    assert 0 < min(diff) and max(diff) < 0.05, diff  # bf16's 8 mantissa bits, in nats per token
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "f32", bf16=False), task=digit_task())
-    assert "sampling/logp_diff_mean" not in plain
+    assert plain["loss/kl"] != history["loss/kl"][:2]  # the same steps but for autocast
+    assert all(math.isfinite(x) for x in history["loss/policy"] + history["loss/kl"])
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
@@ -461,7 +445,7 @@ def test_cli_two_steps_writes_events_checkpoint_and_model(tiny_model_dir, tmp_pa
         (["--max-new-tokens", "0"], "--max-new-tokens: must be greater than or equal to 1"),
         (
             ["--model-name-or-path", "./no/such/model"],
-            "--model-name-or-path: model directory ./no/such/model does not exist",
+            "--model-name-or-path: no directory ./no/such/model",
         ),
         (
             ["--dataset", "missing.jsonl"],
@@ -505,10 +489,9 @@ def test_raising_reward_function_is_reported_and_saved_work_kept(tiny_model_dir,
     assert ckpt.stat().st_mtime_ns == before and common.load_checkpoint(ckpt)["step"] == 1
 
 
-@pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True), dict(share_prompt=False)])
+@pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True)])
 def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, flags):
-    # --gradient-checkpointing and --no-share-prompt both run whole sequences instead of the shared
-    # prompt pass
+    # --gradient-checkpointing runs whole sequences instead of the shared prompt pass
     plain = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", beta=0.1), task=digit_task())
     ckpt = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, **flags), task=digit_task()
@@ -575,21 +558,6 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
         torch.testing.assert_close(logp, expected, atol=1e-6, rtol=0)
 
 
-def test_fast_generation_sampler_casts_parameters_only(tiny_model_dir):
-    # item 5: the bf16 sampler copy keeps float32 buffers (RoPE's inv_freq), as
-    # from_pretrained(dtype=bf16) and vLLM do
-    policy = common.load_model(str(tiny_model_dir))
-    sampler = common.bf16_sampler(policy)
-    assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
-    buffers = dict(sampler.named_buffers())
-    assert any("inv_freq" in name for name in buffers)
-    for name, b in policy.named_buffers():
-        assert buffers[name].dtype == b.dtype and torch.equal(buffers[name], b), name
-    assert {p.dtype for p in policy.parameters()} == {torch.float32} and not any(
-        p.requires_grad for p in sampler.parameters()
-    )
-
-
 def test_masked_positions_never_reach_the_exponent():
     # item 6: post-EOS positions may hold anything; exp() of their log ratios must not turn the loss
     # into NaN
@@ -614,7 +582,7 @@ def test_masked_positions_never_reach_the_exponent():
                 0.2,
                 0.04,
                 2,
-                importance_sampling_level=level,
+                level=level,
             )
             loss.backward()
             out[name] = (loss.detach(), logp.grad.clone(), stats["kl"])
@@ -623,105 +591,30 @@ def test_masked_positions_never_reach_the_exponent():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_truncated_importance_sampling_weights_the_surrogate():
-    # item 4: with a sampler other than the trained module, TIS weights each token's surrogate by
-    # min(pi_old / pi_sampler, C) (Yao et al. 2025; TRL's token_truncate); the KL term is not
-    # weighted
-    logp = torch.zeros(1, 3, requires_grad=True)  # --mu 1: old = logp.detach(), ratio 1
-    sampler = torch.tensor(
-        [[-math.log(4.0), math.log(2.0), 0.0]]
-    )  # pi_old / pi_sampler = 4, 0.5, 1
-    mask = torch.ones(1, 3)
-    loss, stats = grpo_lm.grpo_loss(
-        logp,
-        logp.detach(),
-        None,
-        torch.tensor([1.0]),
-        mask,
-        0.2,
-        0.0,
-        1,
-        sampler_logp=sampler,
-        tis_cap=2.0,
-    )
-    loss.backward()
-    # weights min(4, 2) = 2, 0.5, 1: surrogate A * ratio * w per token, mean over the 3 tokens
-    # (eq. 3)
-    assert loss.item() == pytest.approx(-(2 + 0.5 + 1) / 3)
-    torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, -0.5 / 3, -1 / 3]]))
-    plain, _ = grpo_lm.grpo_loss(
-        logp, logp.detach(), None, torch.tensor([1.0]), mask, 0.2, 0.0, 1, sampler_logp=sampler
-    )
-    assert plain.item() == pytest.approx(-1.0)  # tis_cap 0: off
-
-
-def test_sampler_log_probs_are_recorded_under_the_distribution_drawn_from(tiny_model_dir):
-    # the sampler/learner mismatch is logged from the log probs the sampler itself sampled with:
-    # each token's under softmax(logits / T) within the top-p nucleus, teacher-forced here
-    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
-
-    model = common.load_model(str(tiny_model_dir)).eval()
-    tok = common.load_tokenizer(str(tiny_model_dir))
-    prompts = [
-        tok("1+1=", add_special_tokens=False)["input_ids"],
-        tok("What is 2 + 3?", add_special_tokens=False)["input_ids"],
-    ]
-    kw = dict(temperature=0.7, top_p=0.9, max_new_tokens=9, seed_keys=(1, 2, 0), first=0)
-    rows, recorded = common.generate_completions(
-        model, prompts, 3, tok, torch.device("cpu"), **kw, record=True
-    )
-    recorded = torch.tensor([r + [0.0] * (len(rows[0]) - len(r)) for r in recorded])
-    rows_again, none = common.generate_completions(
-        model, prompts, 3, tok, torch.device("cpu"), **kw
-    )
-    assert rows == rows_again and none is None  # recording does not change the samples
-    ids, att = common.pad_left([p for p in prompts for _ in range(3)], tok.pad_token_id)
-    sampled = torch.tensor(rows)
-    mask = grpo_lm.completion_mask(sampled, tok.eos_token_id)
-    full_mask = torch.cat([att, mask.long()], 1)
-    with torch.no_grad():
-        logits = model(
-            input_ids=torch.cat([ids, sampled], 1),
-            attention_mask=full_mask,
-            position_ids=(full_mask.cumsum(1) - 1).clamp(min=0),
-        ).logits[:, ids.shape[1] - 1 : -1]
-    warp = [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)]
-    expected = torch.zeros_like(recorded)
-    for t in range(sampled.shape[1]):
-        scores = logits[:, t]
-        for w in warp:
-            scores = w(None, scores)
-        expected[:, t] = scores.log_softmax(-1).gather(1, sampled[:, t : t + 1]).squeeze(1)
-    torch.testing.assert_close(recorded[mask.bool()], expected[mask.bool()])
-
-
 def test_each_distinct_prompt_is_prefilled_once_with_the_same_samples(tiny_model_dir):
     # generate_completions: each distinct prompt goes through the model once (2 rows, not 2 x 4),
-    # and the draws and their log probs are those of the same 8 prompts given one by one
+    # and the draws are those of the same 8 prompts given one by one
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 2 + 3?")]
-    kw = dict(temperature=0.7, top_p=1.0, max_new_tokens=9, seed_keys=(1, 2, 0), first=0)
+    options, seeds = (0.7, 1.0, 9, False), ((1, 2, 0), 0)  # temperature, top-p, tokens, bf16
     shapes = []
     model.register_forward_pre_hook(
         lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True
     )
-    cpu = torch.device("cpu")
-    rows, logps = common.generate_completions(model, prompts, 4, tok, cpu, **kw, record=True)
+    rows = common.generate_completions(model, prompts, 4, tok, options, seeds)
     assert shapes[:2] == [(2, 14), (8, 1)]  # the prompts once, then each row's first token
     shapes.clear()
     each = [p for p in prompts for _ in range(4)]
-    rows_each, logps_each = common.generate_completions(model, each, 1, tok, cpu, **kw, record=True)
+    rows_each = common.generate_completions(model, each, 1, tok, options, seeds)
     assert shapes[0] == (8, 14)  # every row's whole prompt
-    assert rows == rows_each
-    for row, row_each in zip(logps, logps_each, strict=True):
-        torch.testing.assert_close(row, row_each, atol=1e-5, rtol=0)
+    assert rows == rows_each and len(rows) == 8 and len({tuple(r) for r in rows}) > 1
 
 
 def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir):
     # common.decode: each prompt goes through the model once, then a row that emitted EOS leaves
-    # the batch (each forward pass sees only the rows still going); the tokens and log probs are
-    # those of transformers' generate on the repeated prompts with the same draw as its last logits
+    # the batch (each forward pass sees only the rows still going); the tokens are those of
+    # transformers' generate on the repeated prompts with the same draw as its last logits
     # processor (one uniform per row of the call at every step); greedy too
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
@@ -755,8 +648,6 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
     kw = dict(attention_mask=att, max_new_tokens=40, pad_token_id=pad, eos_token_id=eos)
     out = model.generate(ids, logits_processor=[processor(by_generate)], do_sample=False, **kw)
     assert rows == out[:, ids.shape[1] :].tolist()
-    for row, n in enumerate(lengths):
-        torch.testing.assert_close(draw.logps[row], by_generate.logps[row][:n])
     with torch.no_grad():
         greedy = common.decode(model, ids, att, 40, eos, pad, lambda logits, _: logits.argmax(-1))
     assert greedy == model.generate(ids, do_sample=False, **kw)[:, ids.shape[1] :].tolist()
@@ -771,31 +662,8 @@ def test_the_sampler_draws_each_token_with_its_probability():
     token = draw(scores, torch.arange(40_000))
     freq = torch.bincount(token, minlength=4).float() / len(token)
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.01, rtol=0)
-    logp = torch.tensor(draw.logps).squeeze(1)
-    torch.testing.assert_close(logp, scores.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
     with pytest.raises(common.UsageError, match="non-finite next-token probabilities"):
         draw(torch.tensor([[0.0, float("nan")]]), torch.tensor([0]))
-
-
-def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):
-    plain = grpo_lm.main(  # float32 also on a GPU, where --bf16 autocast records the mismatch
-        tiny_args(tiny_model_dir, tmp_path / "a", total_steps=1, bf16=False), task=digit_task()
-    )
-    fast = grpo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, fast_generation=True, tis_cap=2.0),
-        task=digit_task(),
-    )
-    assert (
-        "sampling/logp_diff_mean" not in plain
-    )  # the sampler is the trained module on the default path
-    mean, worst = fast["sampling/logp_diff_mean"], fast["sampling/logp_diff_max"]
-    assert all(0 < m < 0.1 for m in mean) and all(
-        m <= w < 1.0 for m, w in zip(mean, worst, strict=True)
-    ), (
-        mean,
-        worst,
-    )
-    assert all(math.isfinite(x) for x in fast["loss/policy"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,7 +678,7 @@ def test_resume_takes_the_learning_rate_given_again(tiny_model_dir, tmp_path):
         tiny_args(tiny_model_dir, tmp_path, total_steps=2, learning_rate=3e-3, resume=ckpt),
         task=digit_task(),
     )
-    assert resumed["optim/learning_rate"] == [3e-3]
+    assert len(resumed["reward/mean"]) == 1
     saved = common.load_checkpoint(ckpt)
     assert (
         saved["optimizer"]["param_groups"][0]["lr"] == 3e-3
@@ -849,7 +717,8 @@ def test_eval_only_needs_no_training_questions(tiny_model_dir, tmp_path):
     args = tiny_args(tiny_model_dir, tmp_path, dataset=str(data), eval_size=8, eval_only=True)
     assert len(grpo_lm.main(args)["eval/accuracy"]) == 1
     with pytest.raises(
-        common.UsageError, match="8 held out, 1 to train on, under --prompts-per-step"
+        common.UsageError,
+        match=r"^--max-prompt-length 512: 1 training prompts fit \(of 1\), fewer than --prompts",
     ):
         grpo_lm.main(dataclasses.replace(args, eval_only=False, run_name="train"))
 
@@ -928,18 +797,29 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
     )  # below the uniform distribution's log V
 
 
-def test_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
-    # issue 16: --track (CleanRL's convention) syncs the TensorBoard scalars to wandb; offline here,
-    # no network
+def offline_wandb_record(model_dir, tmp_path, monkeypatch) -> tuple[bytes, str]:
+    """A one-step --track run, offline: wandb's own log (the config and the synced TensorBoard
+    scalars) and its debug log."""
     monkeypatch.setenv("WANDB_MODE", "offline")
-    grpo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path, total_steps=1, track=True, wandb_project_name="tests"),
-        task=digit_task(),
-    )
+    monkeypatch.setenv("WANDB_PROJECT", "tests-project")  # wandb's own variable picks the project
+    grpo_lm.main(tiny_args(model_dir, tmp_path, total_steps=1, track=True), task=digit_task())
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
-    record = runs[0].read_bytes()  # wandb's own log: the config and the synced TensorBoard scalars
-    assert b"group_size" in record and b"reward/mean" in record and b"loss/kl" in record
+    return runs[0].read_bytes(), (runs[0].parent / "logs" / "debug.log").read_text()
+
+
+def test_track_writes_an_offline_wandb_run(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
+    # issue 16: --track (CleanRL's convention) logs the run to wandb; offline here, no network
+    record, logs = offline_wandb_record(tiny_model_dir, tmp_path, monkeypatch)
+    assert b"group_size" in record and b"mask_truncated_completions" in record  # the config
+    assert "finishing run tests-project/run" in logs  # $WANDB_PROJECT, the run named as its dir
+
+
+def test_track_syncs_the_tensorboard_scalars(tiny_model_dir, tmp_path, monkeypatch, no_wandb_login):
+    # issue 16: sync_tensorboard patches the SummaryWriters created after wandb.init, so RunLog
+    # creates its writer after it (the other order synced the config and no metric)
+    record, _ = offline_wandb_record(tiny_model_dir, tmp_path, monkeypatch)
+    assert b"reward/mean" in record and b"loss/kl" in record
 
 
 def test_track_without_wandb_is_one_line(monkeypatch):
@@ -990,15 +870,17 @@ def test_eval_only_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_pat
     assert (
         report["accuracy"] == trained["eval/accuracy"][-1]
         and report["questions"] == 8
-        and report["step"] == 4
+        and report["checkpoint"] == 4
+        and len(report["first"]) == 5
     )
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text())["checkpoint"] is None
     assert (tmp_path / "eval" / "eval.json").is_file()
     assert (
         trained["eval/accuracy"][0] != trained["eval/accuracy"][-1]
     )  # training moved it: a real comparison
 
 
-def test_k3_is_unbiased_for_kl_policy_to_reference_but_its_gradient_is_that_of_kl_reference_to_policy():  # noqa: E501  # the name is the test's id
+def test_k3_is_unbiased_for_kl_pi_pi_ref_but_its_gradient_is_that_of_kl_pi_ref_pi():
     # k3_kl's docstring (issue 13 item 7), on one categorical over 5 tokens, sums over tokens in
     # place of samples
     logits = torch.tensor([0.3, -1.2, 2.0, 0.1, -0.4], requires_grad=True)

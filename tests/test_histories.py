@@ -60,9 +60,7 @@ GRPO = {  # flags on top of the tiny run below; every grpo_lm feature appears in
     "dr_grpo_batch": dict(loss_type="dr_grpo", scale_rewards="batch"),
     "bnpo": dict(loss_type="bnpo", micro_batch_size=12),
     "gspo": dict(importance_sampling_level="sequence", mu=2),
-    "no_share_prompt": dict(share_prompt=False),
     "gradient_checkpointing": dict(gradient_checkpointing=True),
-    "fast_generation_tis": dict(fast_generation=True, tis_cap=2.0),
     "top_p_per_call": dict(top_p=0.9, generation_groups_per_call=1),
     "frozen_reward_model": dict(
         reward_model_path="{rm}"
@@ -75,7 +73,6 @@ PPO = {
     ),
     "reward_model_eos_penalty": dict(reward_model_path="{rm}", missing_eos_penalty=1.0),
     "gradient_checkpointing": dict(gradient_checkpointing=True),
-    "fast_generation_tis": dict(fast_generation=True, tis_cap=2.0),
 }
 
 
@@ -104,7 +101,6 @@ def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
         save_every=0,
         total_steps=2,
         seed=3,
-        torch_threads=1,
         beta=0.04,  # the paper's KL term, as recorded (the default is 0)
     )
     ppo_base = dict(
@@ -121,10 +117,10 @@ def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
         micro_batch_size=32,
         num_ppo_epochs=2,
         num_minibatches=2,
-        torch_threads=1,
     )
     out = {}
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as recorded
     try:
         for module, base, combos in ((grpo_lm, grpo_base, GRPO), (ppo_lm, ppo_base, PPO)):
             for name, flags in combos.items():

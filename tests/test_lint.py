@@ -18,7 +18,7 @@ def _files() -> list[str]:
     files = [str(p.relative_to(ROOT)) for p in sorted(ROOT.glob("*.py"))]
     files += [
         str(p.relative_to(ROOT))
-        for d in ("tests", "benchmarks")
+        for d in ("tests", "benchmarks", "examples")
         for p in sorted((ROOT / d).glob("*.py"))
     ]
     return [f for f in files if f not in PENDING]

@@ -9,6 +9,7 @@ from conftest import make_tiny_model, make_tokenizer
 
 import common
 import grpo_lm
+import tasks
 
 
 def _with_generation_config(path, **fields):
@@ -20,7 +21,7 @@ def _with_generation_config(path, **fields):
 def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
     # Trust I item 1: a checkpoint's generation_config.json (here repetition_penalty 1.5, as many
     # instruct models ship) must not change what the sampler draws from: the ratio and the KL
-    # assume softmax(logits / T). The sampler's own log probs must equal the training pass's.
+    # assume softmax(logits / T). The samples are those of the same weights without it.
     path = _with_generation_config(
         make_tiny_model(tmp_path / "m"),
         repetition_penalty=1.5,
@@ -31,23 +32,22 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
     )
     model = common.load_model(str(path)).eval()
     assert model.generation_config.repetition_penalty == 1.5  # loaded, and ignored below
+    plain = common.load_model(str(make_tiny_model(tmp_path / "plain"))).eval()  # the same weights
+    assert plain.generation_config.repetition_penalty in (None, 1.0)
     tok = common.load_tokenizer(str(path))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 12 + 30?")]
-    kw = dict(temperature=0.7, top_p=1.0, max_new_tokens=10, seed_keys=(0,), first=0, record=True)
-    cpu = torch.device("cpu")
-    rows, sampler = common.generate_completions(model, prompts, 4, tok, cpu, **kw)
-    completions = torch.tensor(rows)
-    mask = grpo_lm.completion_mask(completions, tok.eos_token_id)
-    ids, att = common.pad_left(prompts, tok.pad_token_id)
-    micro_batch = grpo_lm.MicroBatch(
-        ids, att, torch.arange(2).repeat_interleave(4), completions, mask.long()
-    )
-    with torch.no_grad():
-        learner = grpo_lm.token_log_probs(model, micro_batch, 0.7)
+    options, seeds = (0.7, 1.0, 10, False), ((0,), 0)  # temperature, top-p, tokens, bf16
+    rows = common.generate_completions(model, prompts, 4, tok, options, seeds)
+    assert rows == common.generate_completions(plain, prompts, 4, tok, options, seeds)
+    mask = grpo_lm.completion_mask(torch.tensor(rows), tok.eos_token_id)
     assert mask.sum() > 16
-    sampler = torch.tensor([r + [0.0] * (completions.shape[1] - len(r)) for r in sampler])
-    valid = mask.bool()
-    torch.testing.assert_close(sampler[valid], learner[valid], atol=2e-5, rtol=0)
+    # what the penalties would have changed: a repeated pair, a suppressed token, an early EOS
+    drawn = [row[: int(n)] for row, n in zip(rows, mask.sum(1), strict=True)]
+    pairs = [list(zip(r, r[1:], strict=False)) for r in drawn]
+    assert any(
+        len(set(p)) < len(p) or {5, 6} & set(r) or len(r) < 4
+        for r, p in zip(drawn, pairs, strict=True)
+    )
 
 
 def test_final_model_keeps_the_checkpoints_generation_config(tmp_path):
@@ -108,7 +108,7 @@ def test_reward_model_scores_equal_its_own_forward_when_pad_is_eos(tmp_path):
     )  # right padding after the EOS, as in a batch
     att = torch.cat([att, torch.zeros(3, 2, dtype=torch.long)], 1)
     with torch.no_grad():
-        scores = common.reward_model_scores(rm, ids, att)
+        scores = tasks.reward_model_scores(rm, ids, att)
         alone = torch.cat([rm(input_ids=torch.tensor([r])).logits[:, 0] for r in rows])
         before_eos = torch.cat(
             [
@@ -148,7 +148,9 @@ def test_reward_model_with_a_smaller_vocabulary_is_refused(tiny_model_dir, tmp_p
     )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "small")
     with pytest.raises(
-        common.UsageError, match=r"--reward-model-path: its vocabulary \(10\) is smaller"
+        common.UsageError,
+        match=r"^--reward-model-path: its vocabulary is smaller than the policy's tokenizer's "
+        r"\(76\): not ours$",
     ):
         common.load_reward_model(
             str(tmp_path / "small"), common.load_tokenizer(str(tiny_model_dir)), "cpu"

@@ -3,6 +3,7 @@ errors."""
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 
@@ -328,9 +329,11 @@ def test_values_are_read_at_the_token_before_each_completion_token(tiny_reward_m
 # Learning, CLI, resume, errors
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(autouse=True)
-def restore_torch_threads():
-    """``--torch-threads 1`` below sets a process-wide value: give the other tests theirs back."""
+def one_torch_thread():
+    """One thread: ~10x faster for a tiny model on a busy machine (a process-wide value, given back
+    to the other tests afterwards)."""
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
@@ -353,8 +356,7 @@ def tiny_args(model_dir, tmp_path, **kw) -> ppo_lm.Args:
         micro_batch_size=32,
         num_ppo_epochs=2,
         num_minibatches=2,
-        torch_threads=1,
-    )  # one thread: ~10x faster for a tiny model on a busy machine
+    )
     base.update(kw)
     return ppo_lm.Args(**base)
 
@@ -378,28 +380,20 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
     assert history["memory/peak_rss_gb"][-1] > 0
 
 
-def test_fast_generation_samples_from_the_refreshed_bf16_copy(tiny_model_dir, tmp_path):
-    # the rewards are those of the bfloat16 sampler's completions: they only rise if its weights
-    # follow the policy
-    history = ppo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01, fast_generation=True),
-        task=digit_task(),
-    )
-    rewards = history["reward/mean"]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4, rewards
-
-
 def test_a_bf16_cpu_samples_and_trains_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch):
-    # issue 24: --bf16 on a CPU with native bf16 autocasts sampling and every pass; the sampler's
-    # log probs are recorded and their distance from the learner's logged, and the policy still
-    # learns
+    # issue 24: --bf16 on a CPU with native bf16 autocasts sampling and every pass, and the policy
+    # still learns; --no-bf16: float32, other numbers from step 1
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     history = ppo_lm.main(
         tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01), task=digit_task()
     )
-    rewards, diff = history["reward/mean"], history["sampling/logp_diff_mean"]
+    rewards = history["reward/mean"]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.4, rewards
-    assert 0 < min(diff) and max(diff) < 0.05, diff  # bf16's 8 mantissa bits, in nats per token
+    plain = ppo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path / "f32", beta=0.01, bf16=False), task=digit_task()
+    )
+    assert plain["loss/policy"] != history["loss/policy"][:2]  # the same steps but for autocast
+    assert all(math.isfinite(x) for x in history["loss/policy"] + history["loss/value"])
 
 
 def test_missing_eos_penalty_is_subtracted_from_the_score(tiny_model_dir, tmp_path):
@@ -434,7 +428,7 @@ def test_missing_eos_penalty_must_be_finite_and_non_negative(penalty):
 def test_kl_estimator_flag_is_gone():
     # k1 is the only estimator whose per-token reward optimises the KL-regularised objective (the
     # bandit above)
-    with pytest.raises(common.UsageError, match="unrecognized options: --kl-estimator"):
+    with pytest.raises(common.UsageError, match="^Unrecognized options: --kl-estimator, k3$"):
         common.parse_args(ppo_lm.Args, ["--kl-estimator", "k3"])
 
 
@@ -442,7 +436,7 @@ def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
     # --target-kl stops an update's epochs early in ppo_continuous.py and CleanRL; here the target
     # moves beta
     for flag in ("--target-kl", "--kl-horizon"):
-        with pytest.raises(common.UsageError, match=f"unrecognized options: {flag}"):
+        with pytest.raises(common.UsageError, match=f"^Unrecognized options: {flag}, 6$"):
             common.parse_args(ppo_lm.Args, [flag, "6"])
     args = common.parse_args(
         ppo_lm.Args, ["--adaptive-kl-target", "6", "--adaptive-kl-horizon", "100"]
@@ -455,22 +449,23 @@ def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
     [
         (
             {"kl_estimator": "k3"},
-            "--resume: .* is not a ppo_lm.py checkpoint of this version (--kl-estimator: not a "
-            "flag of this script)",
+            "^--resume: not a ppo_lm.py checkpoint of this version: .*unexpected keyword argument "
+            "'kl_estimator'$",
         ),
         (
             {"target_kl": 6.0, "kl_horizon": 100},
-            "--resume: .* of this version .*: not a flag of this script",
+            "^--resume: not a ppo_lm.py checkpoint of this version: .*argument 'target_kl'$",
         ),
     ],
 )
 def test_resuming_a_run_with_a_removed_flag_is_one_line(saved, message, tmp_path):
     # a run saved with k3 in the reward, or with the old name of the adaptive KL target, is refused
-    # at once
+    # at once, as its saved flags become the defaults
     path = tmp_path / "checkpoint.pt"
-    torch.save({"args": {**dataclasses.asdict(ppo_lm.Args()), **saved}}, path)
-    with pytest.raises(common.UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ppo_lm.main(ppo_lm.Args(resume=str(path), torch_threads=1))
+    args = {**dataclasses.asdict(ppo_lm.Args()), **saved}
+    torch.save({"script": ppo_lm.SCRIPT, "step": 1, "args": args}, path)
+    with pytest.raises(common.UsageError, match=message):
+        common.parse_args(ppo_lm.Args, ["--resume", str(path)], ppo_lm.SCRIPT)
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
@@ -572,10 +567,9 @@ def test_cli_two_steps_with_reward_model_writes_events_checkpoint_and_model(
         "--run-name",
         "cli",
         "--whiten-rewards",
-        "--torch-threads",
-        "1",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}  # ~10x faster for the tiny model
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=one_thread)
     assert out.returncode == 0, out.stderr[-2000:]
     run = tmp_path / "cli"
     assert (
@@ -605,7 +599,7 @@ def test_cli_two_steps_with_reward_model_writes_events_checkpoint_and_model(
         ),
         (
             ["--model-name-or-path", "./no/such/model"],
-            "--model-name-or-path: model directory ./no/such/model does not exist",
+            "--model-name-or-path: no directory ./no/such/model",
         ),
         (["--resume", "nothing.pt"], "--resume: checkpoint file nothing.pt does not exist"),
     ],
@@ -672,44 +666,3 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
         expected - bf16_head
     ).abs().max() > 1e-4  # what a bf16 head costs (small logits in this tiny model)
     torch.testing.assert_close(logp, expected, atol=1e-6, rtol=0)
-
-
-def test_truncated_importance_sampling_weights_the_surrogate():
-    logp = torch.zeros(1, 3, requires_grad=True)
-    sampler = torch.tensor(
-        [[-math.log(4.0), math.log(2.0), 0.0]]
-    )  # pi_old / pi_sampler = 4, 0.5, 1
-    zeros, ones = torch.zeros(1, 3), torch.ones(1, 3)
-    loss, _ = ppo_lm.ppo_loss(
-        logp, zeros, ones, zeros, zeros, zeros, ones, 0.2, 0.2, 0.0, 1, sampler, tis_cap=2.0
-    )
-    loss.backward()
-    assert loss.item() == pytest.approx(
-        -(2 + 0.5 + 1) / 3
-    )  # weights min(4, 2), 0.5, 1 on A = 1, mean over |o| = 3
-    torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, -0.5 / 3, -1 / 3]]))
-
-
-def test_sampler_mismatch_reads_valid_tokens_only():
-    # whatever stands past the EOS in the sampler's log probs (here -inf, which must not leak into
-    # the mean or the max) is masked out
-    old = torch.tensor([[-1.0, -2.0, -3.0]])
-    sampler = torch.tensor([[-1.5, -2.0, -math.inf]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    assert ppo_lm.sampler_mismatch(old, sampler, mask) == {
-        "sampling/logp_diff_mean": 0.25,
-        "sampling/logp_diff_max": 0.5,
-    }
-
-
-def test_fast_generation_logs_the_sampler_learner_mismatch(tiny_model_dir, tmp_path):
-    h = ppo_lm.main(
-        tiny_args(tiny_model_dir, tmp_path, fast_generation=True, tis_cap=2.0), task=digit_task()
-    )
-    mean, worst = h["sampling/logp_diff_mean"], h["sampling/logp_diff_max"]
-    assert all(0 < m < 0.1 for m in mean) and all(
-        m <= w < 1.0 for m, w in zip(mean, worst, strict=True)
-    ), (
-        mean,
-        worst,
-    )

@@ -20,7 +20,9 @@ BUDGETS = {
     "ppo_continuous.py": ("train", 150, None, {}),
 }
 OTHER_FUNCTIONS = 60
-# the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone
+# the functions between "# ALGO LOGIC" and main(), in order: they must read with torch alone, and
+# common.float32_lm_head, the numerics context both scripts share (the LM head in float32 under
+# bf16 autocast; without autocast it changes nothing)
 MATH_BLOCKS = {
     "grpo_lm.py": [
         "completion_mask",
@@ -30,7 +32,6 @@ MATH_BLOCKS = {
         "k3_kl",
         "grpo_loss",
         "aggregate",
-        "float32_lm_head",
     ],
     "ppo_lm.py": [
         "completion_mask",
@@ -41,7 +42,6 @@ MATH_BLOCKS = {
         "gae",
         "ppo_loss",
         "adaptive_kl_coef",
-        "float32_lm_head",
     ],
 }
 
@@ -109,9 +109,13 @@ def test_the_math_block_needs_torch_alone(script):
     defined = {node.name for node in top}
     for node in block:
         used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        assert not used & {"common", "args"}, (
-            f"{script}: {node.name} uses {used & {'common', 'args'}}"
-        )
+        assert "args" not in used, f"{script}: {node.name} uses args"
+        common_uses = {
+            n.attr
+            for n in ast.walk(node)
+            if isinstance(n, ast.Attribute) and getattr(n.value, "id", None) == "common"
+        }
+        assert common_uses <= {"float32_lm_head"}, f"{node.name}: common.{common_uses}"
         outside = (used & defined) - set(MATH_BLOCKS[script])
         assert not outside, f"{script}: {node.name} calls {outside}, defined outside the math block"
 
@@ -125,15 +129,17 @@ def test_the_banner_covers_plumbing_only(script):
     assert text[: text.index("# TRY NOT TO MODIFY")].count("\n") + 1 > main.end_lineno, script
 
 
-# script: (total lines, code lines) of the script and every module of this repository it imports,
-# transitively (what a user copies to run it; issue 23). Code lines hold a token other than a
-# comment or a newline, docstrings left out.
-WEIGHT_BUDGETS = {"ppo_continuous.py": (700, 450)}
-# Issue 22's budgets, not met yet: (total, code) of the LM scripts' copies and of common.py alone.
-# Until they are, the figures of 2026-11-25 are ceilings that only come down (lower them when you
-# cut), so the weight cannot creep back; a file moves to WEIGHT_BUDGETS when it meets its budget.
-WEIGHT_GOALS = {"grpo_lm.py": (2100, 1200), "ppo_lm.py": (1900, 1050), "common.py": (600, 350)}
-WEIGHT_CEILINGS = {"grpo_lm.py": (2908, 1958), "ppo_lm.py": (2617, 1732), "common.py": (1150, 788)}
+# issue 39's weight ceilings, (total lines, code lines): a script with every module of this
+# repository it imports, transitively (what a user copies to run it); common.py and tasks.py alone.
+# Code lines hold a token other than a comment or a newline, docstrings left out. Fixed ceilings,
+# not today's counts: a user's small hack (README, "Hack it") stays under them.
+WEIGHT_BUDGETS = {
+    "grpo_lm.py": (1900, 1200),
+    "ppo_lm.py": (1700, 1050),
+    "ppo_continuous.py": (700, 450),
+    "common.py": (600, 400),
+    "tasks.py": (400, 250),
+}
 
 
 def _local_imports(path: Path) -> set[Path]:
@@ -188,24 +194,33 @@ def weight(script: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("script", list(WEIGHT_BUDGETS))
 def test_what_a_user_copies_fits_its_weight_budget(script):
-    (total, code), (total_budget, code_budget) = weight(script), WEIGHT_BUDGETS[script]
+    if script in ("common.py", "tasks.py"):  # the file alone
+        text = (ROOT / script).read_text()
+        total, code = len(text.splitlines()), _code_lines(text)
+    else:
+        total, code = weight(script)
+    total_budget, code_budget = WEIGHT_BUDGETS[script]
     assert total <= total_budget and code <= code_budget, (
         f"{script} with its imports: {total} lines ({code} code), budget {total_budget} "
         f"({code_budget})"
     )
 
 
-@pytest.mark.parametrize("name", list(WEIGHT_CEILINGS))
-def test_the_lm_copies_only_get_lighter(name):
-    if name == "common.py":  # the file alone (it imports tasks.py inside one function)
-        text = (ROOT / name).read_text()
-        total, code = len(text.splitlines()), _code_lines(text)
-    else:
-        total, code = weight(name)
-    (ceiling, code_ceiling), goal = WEIGHT_CEILINGS[name], WEIGHT_GOALS[name]
-    assert total <= ceiling and code <= code_ceiling, (
-        f"{name}: {total} lines ({code} code), more than the ceiling {ceiling} ({code_ceiling}); "
-        f"issue 22's budget is {goal[0]} ({goal[1]})"
-    )
-    met = total <= goal[0] and code <= goal[1]
-    assert not met, f"{name} meets its budget {goal}: move it to WEIGHT_BUDGETS"
+def test_imports_go_one_way():
+    # the scripts import common and tasks; tasks may import common; common imports neither
+    assert _local_imports(ROOT / "common.py") == set()
+    assert _local_imports(ROOT / "tasks.py") == {ROOT / "common.py"}
+    for script in ("grpo_lm.py", "ppo_lm.py"):
+        assert _local_imports(ROOT / script) == {ROOT / "common.py", ROOT / "tasks.py"}
+    assert _local_imports(ROOT / "ppo_continuous.py") == set()
+
+
+def test_the_readmes_new_flag_fits_under_the_ceiling():
+    # issue 39: the README's own "A new flag" hack must not fail the weight test
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    hack = readme[readme.index("**A new flag.**") :].split("```python\n")[1].split("```")[0]
+    added = [line for line in hack.splitlines() if line.strip() and line.strip()[0] != "#"]
+    total, code = weight("grpo_lm.py")
+    assert len(added) == 3, added
+    assert code + len(added) <= WEIGHT_BUDGETS["grpo_lm.py"][1]
+    assert total + hack.count("\n") <= WEIGHT_BUDGETS["grpo_lm.py"][0]
