@@ -14,8 +14,8 @@ With --mu 1 pi_old = pi_theta and ratio_it = 1 (its gradient is still eq. 3's); 
 old log probs are stored once before the first of the mu updates.
 
 Read from the top down to the end of main(): Args; Batch (steps 1-2's samples); ALGO LOGIC, the
-math (group_advantages §4.1.2, token_log_probs, k3_kl eq. 4, grpo_loss eq. 3, aggregate); main(),
-Algorithm 1 step by step. Below main(): steps 1-2 in full (sample_and_score, reward), then each
+math (group_advantages §4.1.2, token_log_probs, kl_estimate eq. 4, grpo_loss eq. 3, aggregate);
+main(), Algorithm 1 step by step. Below main(): steps 1-2 (sample_and_score, reward), then each
 extension in a labelled section, reaching the loop through one line tagged with its source:
 process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
 (arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071); micro-batches; then the
@@ -94,6 +94,8 @@ class Args:
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     # KL coefficient beta of eq. 3's k3 penalty (the paper's 0.04; 0: no KL, no reference model)
     beta: Annotated[float, Ge(0)] = 0.0
+    # the KL term's estimator, with --beta > 0 (k3: eq. 4; the divergences they follow: kl_estimate)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate
     mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
     max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
@@ -275,21 +277,21 @@ def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_
     return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if with_entropy else logp
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """(B, T) per-token k3 estimate of KL(pi_theta || pi_ref), ``pi_ref/pi - log(pi_ref/pi) - 1``
-    >= 0, from the (B, T) log probs of the sampled tokens (DeepSeekMath eq. 4; Schulman 2020).
-
-    Unbiased for tokens sampled from pi_theta; with ``--mu > 1`` they come from pi_old, so after the
-    first update only approximately. As a loss term its gradient at each sampled token is that of
-    KL(pi_ref || pi_theta)'s estimate (d/dlogp = 1 - pi_ref/pi): the paper's and TRL's choice.
-    """
-    log_ratio = ref_logp - logp
-    return torch.exp(log_ratio) - log_ratio - 1
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """(B, T) per-token estimate of KL(pi_theta || pi_ref) from the (B, T) log probs of tokens
+    sampled from pi_theta, ``r = pi_ref / pi_theta`` (Schulman 2020): ``k1 = -log r`` (unbiased),
+    ``k2 = (log r)^2 / 2`` (biased, >= 0), ``k3 = r - log r - 1`` (unbiased, >= 0; eq. 4). In the
+    loss (d/dlogp: k1 1, k2 ``-log r``, k3 ``1 - r``) the expected gradient is that of KL(pi_ref ||
+    pi_theta) for k3 (the paper's and TRL's choice), of KL(pi_theta || pi_ref) for k2, 0 for k1;
+    with --mu > 1 (tokens from pi_old) each term lacks the weight pi_theta / pi_old (test_kl.py)."""
+    log_ratio = ref_logp - logp  # log r
+    k = dict(k1=-log_ratio, k2=log_ratio**2 / 2, k3=torch.exp(log_ratio) - log_ratio - 1)
+    return k[estimator]
 
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_sequences, *,
               loss_type="grpo", clip_range_high=None, level="token", num_tokens=None,
-              max_length=None):  # fmt: skip
+              max_length=None, kl_estimator="k3"):  # fmt: skip
     """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
 
     Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
@@ -315,7 +317,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_
     high = clip_range if clip_range_high is None else clip_range_high
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_range, 1 + high) * adv)
     ref = logp.detach() if ref_logp is None else torch.where(valid, ref_logp, logp.detach())
-    kl = k3_kl(logp, ref)  # 0 without a reference
+    kl = kl_estimate(logp, ref, kl_estimator)  # 0 without a reference
     per_token = surrogate - beta * kl if beta else surrogate  # KL in the loss (§4.1.1)
     loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_length)
     with torch.no_grad():
@@ -407,6 +409,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     # eq. 3's variants: loss_type (Dr. GRPO, DAPO), clip-higher (DAPO), level (GSPO), L (Dr. GRPO)
     variants = dict(loss_type=args.loss_type, clip_range_high=args.clip_range_high)
     variants |= dict(level=args.importance_sampling_level, max_length=args.max_new_tokens)
+    variants["kl_estimator"] = args.kl_estimator  # eq. 4's k3 by default
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
         # ---- 0. Algorithm 1: each iteration starts with reference <- policy ----

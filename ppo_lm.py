@@ -89,6 +89,9 @@ class Args:
     # KL coefficient of the per-token reward -beta * KL_t (0 = no reference model); with
     # --adaptive-kl-target its initial value (a resumed run continues the controller's beta)
     beta: Annotated[float, Ge(0)] = 0.05
+    # KL_t's estimator: k1 = log pi_old - log pi_ref (the N+ details; as a reward its gradient
+    # follows KL(pi || pi_ref)); k2 and k3 follow other targets there (docs/grpo_lm.md)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     # scale the per-token rewards to unit variance over the batch's valid tokens (mean kept)
     whiten_rewards: bool = False
     gamma: Annotated[float, Interval(ge=0, le=1)] = 1.0  # discount over tokens
@@ -226,18 +229,21 @@ def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor
     return value_model.score(hidden[:, -T - 1 : -1]).squeeze(-1).float()
 
 
-def per_token_rewards(scores, logp, ref_logp, mask, beta: float) -> tuple[torch.Tensor, ...]:
+def per_token_rewards(scores, logp, ref_logp, mask, beta: float, estimator: str = "k1"):
     """(rewards, kl), both (B, T): ``-beta * KL_t`` on every valid token, plus the (B,) ``scores``
     on the last valid token (the EOS when there is one), 0 after it (DeepSeekMath eq. 2,
     InstructGPT eq. 2).
 
-    ``KL_t = log pi_old(o_t|.) - log pi_ref(o_t|.)`` from the (B, T) ``logp`` and ``ref_logp``
-    (None: no KL), the k1 estimator: as a reward its expected gradient is that of KL(pi || pi_ref),
-    so PPO optimises ``E[score] - beta * KL(pi || pi_ref)`` (k3 would not: docs/ppo_lm.md).
+    ``KL_t`` from the (B, T) ``logp`` (pi_old) and ``ref_logp`` (None: no KL), ``r = pi_ref /
+    pi_old``: k1 ``-log r`` (default), k2 ``(log r)^2 / 2``, k3 ``r - log r - 1`` (Schulman 2020).
+    As a reward through the policy gradient, k1's expected gradient is that of KL(pi || pi_ref), so
+    PPO optimises ``E[score] - beta * KL(pi || pi_ref)``; k3's is that of KL(pi || pi_ref) -
+    KL(pi_ref || pi), k2's that of E_pi[k2] - KL(pi || pi_ref) (tests/test_kl.py, docs/grpo_lm.md).
     """
     kl = torch.zeros_like(mask)  # no reference model (beta = 0): no KL
     if ref_logp is not None:  # masked first: whatever follows the EOS (even inf) never enters
-        kl = torch.where(mask.bool(), logp - ref_logp, 0.0)
+        log_r = torch.where(mask.bool(), ref_logp - logp, 0.0)
+        kl = dict(k1=-log_r, k2=log_r**2 / 2, k3=torch.exp(log_r) - log_r - 1)[estimator]
     rewards = -beta * kl
     last = mask.sum(1).long().clamp(min=1) - 1  # index of each completion's last valid token
     rewards[torch.arange(len(last)), last] += scores.to(rewards)
@@ -415,7 +421,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                     ref_logp[idx, :t] = token_log_probs(reference, ids, att, t, temperature)
 
         # ---- 4. Per-token rewards: -beta * KL_t on every token, the score on the last (eq. 2) ----
-        rewards, kl = per_token_rewards(scores.to(device), old_logp, ref_logp, mask, beta)
+        kl_terms = (old_logp, ref_logp, mask, beta, args.kl_estimator)
+        rewards, kl = per_token_rewards(scores.to(device), *kl_terms)
         if args.whiten_rewards:  # N+ details (optional): unit variance over valid tokens, mean kept
             rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=common.all_reduce)
 

@@ -129,7 +129,7 @@ def main() -> None:
     positions = int(prompt_mask.sum(1).max() + T)
 
     def kl(logp, ref):
-        return grpo_lm.k3_kl(logp, ref)[valid].mean().item()
+        return grpo_lm.kl_estimate(logp, ref)[valid].mean().item()
 
     truth_policy = log_probs(policy, batch, args.temperature, "fp32")
     truth_ref = log_probs(reference, batch, args.temperature, "fp32")

@@ -383,7 +383,7 @@ def run_loss(a: argparse.Namespace) -> None:
             surrogate = torch.min(
                 ratio * adv, torch.clamp(ratio, 1 - a.clip_range, 1 + a.clip_range) * adv
             )
-            per_token = surrogate - a.beta * grpo_lm.k3_kl(logp, ref_logp) * ratio
+            per_token = surrogate - a.beta * grpo_lm.kl_estimate(logp, ref_logp) * ratio
             loss, stats = -((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean(), None
         else:
             loss, stats = grpo_lm.grpo_loss(

@@ -111,7 +111,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         )  # rewards that differ: the policy moves away from its reference
         healthy = common.load_checkpoint(root / "runs" / script / "checkpoint.pt")
         common.atomic_save(
-            {**healthy, "args": {**healthy["args"], "kl_estimator": "k3"}},
+            {**healthy, "args": {**healthy["args"], "tis_cap": 2.0}},
             root / f"{script}_removed_flag.pt",
         )
         key = next(k for k in healthy["policy"] if k.endswith("q_proj.weight"))
@@ -213,6 +213,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
         CHEAP,
     ),
     (["--task", "countdown"], "invalid choice 'countdown' for argument '--task'", CHEAP),
+    (["--kl-estimator", "k4"], "invalid choice 'k4' for argument '--kl-estimator'", CHEAP),
     (["--no-such-flag"], "Unrecognized options: --no-such-flag", CHEAP),
     *[(argv, f"Unrecognized options: {argv[0]}", CHEAP) for argv in REMOVED],
     (["--runs-dir", "{root}/rewards.py"], "--runs-dir: {root}/rewards.py is a file", CHEAP),
@@ -351,7 +352,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (
         ["--resume", "{root}/{script}_removed_flag.pt", "--total-steps", "4"],
         "--resume: not a {script}_lm.py checkpoint of this version: Args.__init__() got an "
-        "unexpected keyword argument 'kl_estimator'",
+        "unexpected keyword argument 'tis_cap'",
         CHEAP,
     ),
     (["--resume", ""], "--resume: checkpoint file  does not exist", CHEAP),
@@ -492,7 +493,6 @@ PPO = [
     (["--adaptive-kl-target", "6", "--beta", "0"], "--adaptive-kl-target needs --beta > 0", CHEAP),
     (["--value-learning-rate", "inf"], "--value-learning-rate: must be a finite number", CHEAP),
     (["--value-learning-rate", "2"], "--value-learning-rate: must be less than 1", CHEAP),
-    (["--kl-estimator", "k3"], "Unrecognized options: --kl-estimator", CHEAP),
     (
         ["--missing-eos-penalty", "1e38", "--total-steps", "3"],
         "non-finite gradient norm at step 1 (not applied)",

@@ -136,6 +136,7 @@ DIFFERENT_HELP = {
     "prompts_per_step",  # one completion each, or --group-size
     "learning_rate",  # PPO's of the policy; each cites its paper's value
     "beta",  # PPO: a per-token k1 reward, adaptive; GRPO: eq. 3's k3 penalty
+    "kl_estimator",  # PPO: k1 in the reward (N+ details); GRPO: eq. 4's k3 in the loss
     "max_grad_norm",  # PPO clips the policy and the value model separately
     "lora_rank",  # PPO's value model is trained in full
     "seed",  # PPO's minibatch order

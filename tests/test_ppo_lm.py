@@ -63,24 +63,21 @@ BANDIT_REF = torch.full((5, 1), math.log(0.2))
 
 
 def bandit_probs_after(
-    steps: int, beta: float = 0.5, kl_reward=None, lr: float = 2.0
+    steps: int, beta: float = 0.5, estimator: str = "k1", lr: float = 2.0
 ) -> torch.Tensor:
     """pi after ``steps`` gradient steps on the softmax logits, each on the exact expected PPO loss.
 
     Every arm's loss (ppo_lm's per_token_rewards -> gae -> ppo_loss, with pi_old = pi) is weighted
     by its detached probability: the gradient is sum_a pi(a) A(a) grad log pi(a), with no sampling
-    noise. ``kl_reward(old_logp, ref_logp)`` replaces ppo_lm's per-token rewards (to show another
-    estimator's).
+    noise. ``estimator``: --kl-estimator.
     """
     theta = torch.zeros(5, requires_grad=True)
     ones, zeros = torch.ones(5, 1), torch.zeros(5, 1)
     for _ in range(steps):
         logp = torch.log_softmax(theta, 0).unsqueeze(1)  # (5, 1): log pi(a), one sequence per arm
         old_logp = logp.detach()
-        if kl_reward is None:
-            rewards, _ = ppo_lm.per_token_rewards(BANDIT_REWARD, old_logp, BANDIT_REF, ones, beta)
-        else:
-            rewards = BANDIT_REWARD.unsqueeze(1) + kl_reward(old_logp, BANDIT_REF)
+        kl_terms = (old_logp, BANDIT_REF, ones, beta, estimator)
+        rewards, _ = ppo_lm.per_token_rewards(BANDIT_REWARD, *kl_terms)
         advantages, returns = ppo_lm.gae(rewards, zeros, ones, gamma=1.0, lam=1.0)
         expected_loss = sum(
             old_logp[a, 0].exp()
@@ -115,13 +112,10 @@ def test_kl_in_the_reward_converges_to_the_regularised_optimum():
 
 
 def test_k3_as_a_per_token_reward_would_optimise_another_objective():
-    # Why ppo_lm offers no k3 in the reward: its expected score-function gradient is
-    # grad KL(pi || ref) - grad KL(ref || pi), so it pushes the rare arms rarer instead of towards
-    # pi*.
-    def k3_reward(logp, ref_logp, beta=0.5):
-        return -beta * (torch.exp(ref_logp - logp) - (ref_logp - logp) - 1)  # DeepSeekMath eq. 4
-
-    k3 = bandit_probs_after(15, kl_reward=k3_reward)
+    # Why ppo_lm's default is k1: k3's expected score-function gradient as a reward is
+    # grad KL(pi || ref) - grad KL(ref || pi) (tests/test_kl.py), so it pushes the rare arms rarer
+    # instead of towards pi*.
+    k3 = bandit_probs_after(15, estimator="k3")
     no_penalty = bandit_probs_after(15, beta=0.0)
     assert (
         k3[0] > 0.9999 and k3[0] > no_penalty[0] > 0.96
@@ -425,13 +419,6 @@ def test_missing_eos_penalty_must_be_finite_and_non_negative(penalty):
         ppo_lm.validate(ppo_lm.Args(missing_eos_penalty=penalty))
 
 
-def test_kl_estimator_flag_is_gone():
-    # k1 is the only estimator whose per-token reward optimises the KL-regularised objective (the
-    # bandit above)
-    with pytest.raises(common.UsageError, match="^Unrecognized options: --kl-estimator, k3$"):
-        common.parse_args(ppo_lm.Args, ["--kl-estimator", "k3"])
-
-
 def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
     # --target-kl stops an update's epochs early in ppo_continuous.py and CleanRL; here the target
     # moves beta
@@ -448,9 +435,9 @@ def test_adaptive_kl_flags_do_not_take_the_early_stopping_name():
     "saved, message",
     [
         (
-            {"kl_estimator": "k3"},
+            {"tis_cap": 2.0},
             "^--resume: not a ppo_lm.py checkpoint of this version: .*unexpected keyword argument "
-            "'kl_estimator'$",
+            "'tis_cap'$",
         ),
         (
             {"target_kl": 6.0, "kl_horizon": 100},

@@ -29,7 +29,7 @@ MATH_BLOCKS = {
         "group_advantages",
         "MicroBatch",
         "token_log_probs",
-        "k3_kl",
+        "kl_estimate",
         "grpo_loss",
         "aggregate",
     ],
