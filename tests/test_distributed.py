@@ -23,22 +23,14 @@ import common
 import grpo_lm
 import ppo_lm
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 # the tail of every run below: a tiny evaluation, no samples or checkpoints between steps, the CPU
 # in float32 (the torchrun processes do not see conftest's bf16 patch); one thread each (conftest's
 # torchrun sets OMP_NUM_THREADS=1, the fixture below the in-process runs')
 QUIET = "--eval-size 2 --eval-every 0 --sample-every 0 --save-every 0".split()
 QUIET += ["--device", "cpu", "--no-bf16"]
 DIGITS = "def digits(completion, example):\n    return sum(map(str.isdigit, completion)) / 8\n"
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The in-process runs on one thread, as the torchrun processes (a process-wide value, given
-    back to the other tests afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def varied_reward(tmp_path) -> list[str]:

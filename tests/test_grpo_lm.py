@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, tb_scalars
+from conftest import ROOT, hide_module, tb_scalars
 
 import common
 import grpo_lm
@@ -812,14 +812,7 @@ def test_track_syncs_the_tensorboard_scalars(tiny_model_dir, tmp_path, monkeypat
 
 
 def test_track_without_wandb_is_one_line(monkeypatch):
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "wandb" else find_spec(name, *a),
-    )
+    hide_module(monkeypatch, "wandb")
     with pytest.raises(
         common.UsageError, match="--track: wandb is not installed; run `pip install wandb`"
     ):

@@ -17,18 +17,10 @@ import common
 import grpo_lm
 import tasks
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 LN2 = math.log(2.0)
 EPS = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The tiny runs on one thread: two threads of a 32-wide model mostly wait on each other (a
-    process-wide value, given back afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,17 +9,9 @@ from test_grpo_lm import digit_task, tiny_args
 import common
 import grpo_lm
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 LORA = dict(lora_rank=4, learning_rate=3e-2, beta=0.1)  # on the tiny model with a real logit scale
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One thread: ~10x faster for a tiny model on a busy machine (a process-wide value, given back
-    to the other tests afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def lora_policy(model_dir, targets=("all-linear",)):

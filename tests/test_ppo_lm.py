@@ -15,6 +15,8 @@ from test_grpo_lm import digit_task
 import common
 import ppo_lm
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
+
 # ---------------------------------------------------------------------------------------------
 # Equations
 # ---------------------------------------------------------------------------------------------
@@ -322,14 +324,6 @@ def test_values_are_read_at_the_token_before_each_completion_token(tiny_reward_m
 # ---------------------------------------------------------------------------------------------
 # Learning, CLI, resume, errors
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """One thread: ~10x faster for a tiny model on a busy machine (a process-wide value, given back
-    to the other tests afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_args(model_dir, tmp_path, **kw) -> ppo_lm.Args:
