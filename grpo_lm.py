@@ -83,7 +83,7 @@ class Args:
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
     response_prefix: str = ""
     total_steps: Annotated[int, Ge(1)] = 36  # steps: sample a batch, then --mu policy updates
-    prompts_per_step: Annotated[int, Ge(1)] = 16  # questions per step, --group-size outputs each
+    prompts_per_step: Annotated[int, Ge(1)] = 8  # questions per step, --group-size outputs each
     group_size: Annotated[int, Ge(2)] = 8  # G: outputs sampled per question (the paper: 64)
     max_new_tokens: Annotated[int, Ge(1)] = 20  # maximum completion length in tokens
     max_prompt_length: Annotated[int, Ge(1)] = 512  # longer prompts leave the training set
@@ -93,7 +93,7 @@ class Args:
     # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     # KL coefficient beta of eq. 3's k3 penalty (the paper's 0.04; 0: no KL, no reference model)
-    beta: Annotated[float, Ge(0)] = 0.0
+    beta: Annotated[float, Ge(0)] = 0.04
     # the KL term's estimator, with --beta > 0 (k3: eq. 4; the divergences they follow: kl_estimate)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     clip_range: Annotated[float, Interval(gt=0, lt=1)] = 0.2  # eps of the clipped surrogate

@@ -11,8 +11,9 @@ TensorBoard events it reads the held-out accuracy of every evaluation and the pe
 the process its wall time and peak RSS. Then each final model is evaluated on the held-out problems
 phrased another way ("What is a + b? Give the final answer as a number."): problems the training
 never saw, in a prompt it never saw. Writes a table of each side (and the ratios new / old), with
-the CPU (`lscpu` model and flags) and the command, to ``--out``; benchmarks/main_job_results.md
-collects those tables by hand.
+the CPU (`lscpu` model and flags) and the command, to ``--out``, and after each run every run's
+figures to ``--out`` with ``.json`` (what benchmarks/main_job_plot.py draws);
+benchmarks/main_job_results.md collects those tables by hand.
 
 The extra flags after ``--`` go to each side that has them (its ``grpo_lm.py --help``);
 ``--torch-threads N`` becomes ``OMP_NUM_THREADS=N`` on a side without the flag (issue 39 removed
@@ -48,6 +49,12 @@ def cpu() -> str:
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")
     have = [f for f in wanted if flags and f in flags[1].split()]
     return f"{os.cpu_count()} cores, {model[1] if model else '?'}, flags: {' '.join(have)}"
+
+
+def head() -> str:
+    """This tree's commit, short."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
+    return out.stdout.decode().strip()
 
 
 def scalars(run_dir: Path) -> dict[str, list]:
@@ -156,6 +163,7 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="flags for both sides, after -- (a smoke run)")
     opts = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="main-job-"))
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     trees = {"new": ROOT}  # side -> the tree it runs from, old first
     if opts.old:
         trees = {"old": work / "old", "new": ROOT}
@@ -171,6 +179,11 @@ def main() -> None:
         for side, tree in trees.items():
             results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", flags[side])
             print(side, seed, json.dumps(results[side, seed]), flush=True)
+            runs = [{"side": side, "seed": seed, **r} for (side, seed), r in results.items()]
+            about = {"cpu": cpu(), "old": opts.old, "new": head(), "extra": opts.extra}
+            Path(opts.out).with_suffix(".json").write_text(
+                json.dumps({**about, "runs": runs}, indent=1) + "\n"
+            )
     write(results, opts, list(trees), {side: notes for side, (_, _, notes) in flags.items()})
 
 
@@ -196,14 +209,13 @@ def write(results: dict, opts, sides: list[str], notes: dict[str, list[str]]) ->
             )
         return f"| {k} | {' | '.join(cells)} |"
 
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
     old = f"--old {opts.old} " if opts.old else ""
     columns = ["mean over seeds", *sides] + (["new / old"] if opts.old else [])
     lines = [
         "# The main job, old against new (issue 24)",
         "",
         f"CPU: {cpu()}. Date: {time.strftime('%Y-%m-%d')}. Old: `{opts.old or '-'}`; new: the"
-        f" working tree at `{head.stdout.decode().strip()}`.",
+        f" working tree at `{head()}`.",
         "",
         f"Command: `python benchmarks/main_job.py {old}--seeds "
         f"{' '.join(map(str, opts.seeds))}{' -- ' + ' '.join(opts.extra) if opts.extra else ''}`;"
@@ -226,7 +238,6 @@ def write(results: dict, opts, sides: list[str], notes: dict[str, list[str]]) ->
             for side in sides
         ],
     ]
-    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
