@@ -111,8 +111,7 @@ def rng_state(state: dict | None = None) -> dict:
     """torch's RNG state (CPU and CUDA), restored from ``state`` first when given: exact resume."""
     if state is not None:
         torch.set_rng_state(state["torch"])
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all(state["cuda"])  # [] without CUDA: nothing to set
     return dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all())
 
 

@@ -19,12 +19,13 @@ main(), Algorithm 1 step by step. Below main(): steps 1-2 (sample_and_score, rew
 extension in a labelled section, reaching the loop through one line tagged with its source:
 process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
 (arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071); micro-batches; then the
-run plumbing. Every flag defaults to the paper's GRPO. Departures: learning rate 1e-5 (the paper's
-1e-6 barely moves a 135M model in 30 steps), G = 8 and 16 questions per step, beta = 0 (TRL's
-default, the paper's is 0.04: no reference model, and the update skips groups of equal rewards),
-KL and ratio between temperature-scaled distributions. Where the paper leaves a choice open:
-process supervision makes the final answer one more step with the outcome reward; the iterative
-reward model regresses (MSE) on the verifiable reward.
+run plumbing. Every flag defaults to the paper's GRPO (eq. 3, beta 0.04, eq. 4's k3 to a frozen
+reference) unless its value cannot work at this scale: learning rate 1e-5 (1e-6 barely moves a 135M
+model in 36 steps), G = 8 outputs of 8 questions a step (the paper: 64 of 1,024), 20 new tokens
+(1,024; the sums take 12-16), 36 steps, the task's verifiable reward instead of a reward model,
+KL and ratio between temperature-scaled distributions. --beta 0 (TRL's default) runs faster: no
+reference model, groups of equal rewards skipped. Open choices: process supervision makes the final
+answer a step with the outcome reward; the iterative reward model regresses (MSE) on it.
 
 Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
 groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
@@ -90,7 +91,7 @@ class Args:
     temperature: Annotated[float, Ge(1e-3)] = 0.7  # sampling temperature T, also of the log probs
     # nucleus sampling (1.0 = sample from the full distribution, which the ratio assumes)
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
-    # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 30 steps)
+    # AdamW learning rate (the paper's 1e-6 barely moves a 135M model in 36 steps)
     learning_rate: Annotated[float, Interval(gt=0, lt=1)] = 1e-5
     # KL coefficient beta of eq. 3's k3 penalty (the paper's 0.04; 0: no KL, no reference model)
     beta: Annotated[float, Ge(0)] = 0.04
@@ -122,11 +123,13 @@ class Args:
     # share of each iteration's samples held out to measure the reward model's accuracy
     rm_eval_fraction: Annotated[float, Interval(ge=0, lt=1)] = 0.25
 
-    # --- later variants (all default to the paper's GRPO): Dr. GRPO, DAPO, GSPO ---
+    # --- later variants (all default to the paper's GRPO): Dr. GRPO, DAPO, GSPO, CISPO, entropy ---
 
     # 'grpo' (per-sequence mean, eq. 3), 'bnpo' (token mean per micro-batch), 'dr_grpo' (sum / (B *
-    # max len)), 'dapo' (token mean over the batch)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    # max len)), 'dapo' (token mean over the batch), 'cispo' (MiniMax-M1: clipped weight x A log pi)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
+    # weight of the entropy bonus in the policy loss (PPO eq. 9's c2; 0: none, as in the papers)
+    entropy_coef: Annotated[float, Ge(0)] = 0.0
     # divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)
     scale_rewards: Literal["group", "batch", "none"] = "group"
     # upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range
@@ -245,7 +248,7 @@ class MicroBatch(NamedTuple):
 
 def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_entropy=False):
     """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
-    ``model`` (with ``with_entropy`` also the detached (b, T) entropy, for logging).
+    ``model`` (with ``with_entropy`` also the (b, T) entropy of that distribution, differentiable).
 
     ``share_prompt``: each distinct prompt goes through the model once and its keys and values (with
     their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
@@ -274,7 +277,7 @@ def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_
             logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[:, :-1]  # t -> t+1
     log_probs = (logits.float() / temperature).log_softmax(-1)
     logp = torch.gather(log_probs, 2, mb.completion_ids.unsqueeze(-1)).squeeze(-1)
-    return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if with_entropy else logp
+    return (logp, -(log_probs.exp() * log_probs).sum(-1)) if with_entropy else logp
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -289,24 +292,27 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
     return k[estimator]
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_sequences, *,
-              loss_type="grpo", clip_range_high=None, level="token", num_tokens=None,
-              max_length=None, kl_estimator="k3"):  # fmt: skip
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_sequences,
+              entropy=None, *, loss_type="grpo", clip_range_high=None, level="token",
+              num_tokens=None, max_length=None, kl_estimator="k3", entropy_coef=0.0):  # fmt: skip
     """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
 
-    Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL`` (eq. 3, 4;
-    ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, default eps), summed as :func:`aggregate`
-    says. ``ratio = exp(logp - old_logp)`` (with mu = 1 old_logp is ``logp.detach()``); GSPO (arXiv
-    2507.18071 §4), ``level="sequence"`` (--importance-sampling-level): ``exp(mean_t(logp -
-    old_logp))`` per completion. Masked positions never reach ``exp``.
+    Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL + entropy_coef *
+    H`` (eq. 3, 4; ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, default eps), summed as
+    :func:`aggregate` says; ``ratio = exp(logp - old_logp)`` (mu = 1: old_logp = ``logp.detach()``),
+    GSPO (arXiv 2507.18071 §4, ``level="sequence"``) ``exp(mean_t(logp - old_logp))`` per sequence.
+    CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4) ``sg(min(ratio, 1 + eps_high)) * A * logp`` instead
+    of the min: every token keeps its gradient. Masked positions never reach ``exp``.
 
     Args:
         logp, old_logp, ref_logp: (b, T) log probs under the policy (with grad), pi_old and the
             reference (None with ``beta == 0``).
         advantages: (b,) one per sequence (outcome) or (b, T) one per token (process).
         mask: (b, T) 1 for the tokens in the loss; num_sequences etc.: see :func:`aggregate`.
+        entropy: (b, T) the policy's entropy H at each position (with grad; read if entropy_coef).
     Returns:
-        (loss, stats): the scalar loss and detached per-token sums and extremes, for logging.
+        (loss, stats): the loss and detached per-token sums and extremes, for logging (clipped_high:
+        A > 0, ratio > 1 + eps_high; clipped_low: A < 0, ratio < 1 - eps).
     """
     valid = mask.bool()
     log_ratio = torch.where(valid, logp - old_logp, 0.0)
@@ -316,15 +322,19 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_
     adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
     high = clip_range if clip_range_high is None else clip_range_high
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_range, 1 + high) * adv)
+    if loss_type == "cispo":  # MiniMax-M1 eq. 4: REINFORCE with a clipped, detached IS weight
+        surrogate = torch.clamp(ratio, max=1 + high).detach() * adv * logp
     ref = logp.detach() if ref_logp is None else torch.where(valid, ref_logp, logp.detach())
     kl = kl_estimate(logp, ref, kl_estimator)  # 0 without a reference
     per_token = surrogate - beta * kl if beta else surrogate  # KL in the loss (§4.1.1)
+    if entropy_coef:  # the entropy bonus (not in the paper)
+        per_token = per_token + entropy_coef * entropy
     loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_length)
     with torch.no_grad():
-        clipped = ((adv > 0) & (ratio > 1 + high)) | ((adv < 0) & (ratio < 1 - clip_range))
+        above, below = (adv > 0) & (ratio > 1 + high), (adv < 0) & (ratio < 1 - clip_range)
         ratio_max = ratio.expand_as(logp)[valid].max() if valid.any() else ratio.new_ones(())
-        stats = dict(kl=(kl * mask).sum(), clipped=(clipped.float() * mask).sum())
-    return loss, stats | dict(tokens=mask.sum(), ratio_max=ratio_max)
+        stats = dict(kl=(kl * mask).sum(), clipped_high=(above * mask).sum(), tokens=mask.sum())
+    return loss, stats | dict(clipped_low=(below * mask).sum(), ratio_max=ratio_max)
 
 
 def aggregate(per_token, mask, num_sequences, loss_type="grpo", num_tokens=None, max_length=None):
@@ -336,7 +346,7 @@ def aggregate(per_token, mask, num_sequences, loss_type="grpo", num_tokens=None,
       sequences (depends on micro-batching; ``dapo`` when one micro-batch holds the whole batch).
     - ``dr_grpo``: token sum / (``num_sequences * max_length``), ``max_length`` the completions'
       token cap (Dr. GRPO, arXiv 2503.20783 §3.1: eq. 3 without 1/|o_i|).
-    - ``dapo``: token sum / ``num_tokens``, the valid tokens of the whole batch (DAPO §3.3).
+    - ``dapo``, ``cispo``: token sum / ``num_tokens``, the whole batch's valid tokens (DAPO §3.3).
     """
     masked = per_token * mask
     if loss_type == "grpo":
@@ -345,7 +355,7 @@ def aggregate(per_token, mask, num_sequences, loss_type="grpo", num_tokens=None,
         return -masked.sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
     if loss_type == "dr_grpo":
         return -masked.sum() / (num_sequences * max_length)
-    return -masked.sum() / max(float(num_tokens), 1.0)  # dapo
+    return -masked.sum() / max(float(num_tokens), 1.0)  # dapo, cispo
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,8 +381,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     if not args.eval_only:  # the training questions whose prompts fit
         limits = (args.max_prompt_length, args.prompts_per_step, args.max_new_tokens)
         questions = tasks.training_questions(task, tokenizer, style, *limits, model)
-    # torchrun: each process samples and trains on its share of the batch
-    rank, world, device = common.start_processes(args.device)
+    rank, world, device = common.start_processes(args.device)  # torchrun: each its share of a batch
     torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
 
     options = (tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size, style)
@@ -384,10 +393,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     policy = common.load_policy(model, device, lora, args.gradient_checkpointing)
     if args.eval_only:  # no training: the held-out accuracy of --resume's policy or of the model
         return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
-    reference = None
-    if args.beta > 0:  # read under bf16 autocast alone, and never reset: bf16 Linear weights
-        bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16)
-        reference = common.load_reference(policy, model, device, lora, bf16)
+    bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16)  # bf16 weights: no reset
+    reference = common.load_reference(policy, model, device, lora, bf16) if args.beta > 0 else None
     reward_model, rm_training = make_reward_model(args, tokenizer, device)  # §4.1.4: and training
     trained, decay = [p for p in policy.parameters() if p.requires_grad], args.weight_decay
     optimizer = torch.optim.AdamW(trained, args.learning_rate, weight_decay=decay, fused=True)
@@ -409,7 +416,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     # eq. 3's variants: loss_type (Dr. GRPO, DAPO), clip-higher (DAPO), level (GSPO), L (Dr. GRPO)
     variants = dict(loss_type=args.loss_type, clip_range_high=args.clip_range_high)
     variants |= dict(level=args.importance_sampling_level, max_length=args.max_new_tokens)
-    variants["kl_estimator"] = args.kl_estimator  # eq. 4's k3 by default
+    variants |= dict(kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef)
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
         # ---- 0. Algorithm 1: each iteration starts with reference <- policy ----
@@ -440,8 +447,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         loss_mask = batch.completion_mask  # DAPO §3.4 overlong filtering: none of a truncated one
         if args.mask_truncated_completions:
             loss_mask = loss_mask * ~batch.truncated[:, None]
-        # the rows with a gradient: with beta = 0 not the groups of equal rewards (A = 0)
-        rows = rows_with_a_gradient(advantages, loss_mask, beta, args.loss_type, G)
+        others = beta + args.entropy_coef  # every term but A's: KL, entropy bonus (weights >= 0)
+        rows = rows_with_a_gradient(advantages, loss_mask, others, args.loss_type, G)
         micro_batches = list(plan_micro_batches(batch, args.micro_batch_size, G, device, rows))
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
@@ -461,14 +468,15 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
             policy.train(args.gradient_checkpointing)  # HF recomputes activations in train mode
             for idx, t, inputs in micro_batches:
                 with common.bf16_autocast(device, args.bf16):
-                    logp, entropy = token_log_probs(policy, inputs, temperature, shared, True)
+                    logp, H = token_log_probs(policy, inputs, temperature, shared, True)
+                H = H if args.entropy_coef else H.detach()  # for logging: its graph goes now
                 old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
                 ref = ref_logp[idx, :t] if ref_logp is not None else None
                 adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
                 mask = loss_mask[idx, :t]
-                loss, stats = grpo_loss(logp, old, ref, adv, mask, eps, beta, N_all, **variants)
+                loss, stats = grpo_loss(logp, old, ref, adv, mask, eps, beta, N_all, H, **variants)
                 loss.backward()
-                stats.update(loss=loss.detach(), entropy=(entropy * mask).sum())
+                stats.update(loss=loss.detach(), entropy=(H.detach() * mask).sum())
                 loss_stats.append(stats)
             policy.eval()
             common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
@@ -540,25 +548,23 @@ def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Bat
     its ``verifiable``, ``correct`` and ``reward_fns``. A reward model trained from
     the policy's backbone scores from iteration 2 on, once trained; until then the verifiable reward
     does (Algorithm 1). Raises UsageError: a reward function raises or returns NaN or inf."""
-    examples = batch.examples
-    responses = [args.response_prefix + c for c in batch.completions]  # what the rewards read
+    texts = [args.response_prefix + c for c in batch.completions]  # what the rewards read
     trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
     by_model = sampler.reward_model is not None and trained
     if not by_model or args.train_reward_model:  # --reward-fn: each function's own rewards too
-        batch.verifiable, batch.reward_fns = tasks.score_task(sampler.task, responses, examples)
+        batch.verifiable, batch.reward_fns = tasks.score_task(sampler.task, texts, batch.examples)
     batch.rewards = batch.verifiable
     if by_model:
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
         model, size = sampler.reward_model, args.micro_batch_size
         batch.rewards = tasks.score_with_reward_model(model, ids, mask, size, device, args.bf16)
-    batch.correct = tasks.score_correct(sampler.task, responses, examples)
+    batch.correct = tasks.score_correct(sampler.task, texts, batch.examples)
     return batch
 
 
 # ----------------------------------------------------------------------------------------------
-# DeepSeekMath's own extensions: process supervision (§4.1.3) and iterative RL with the reward model
-# (§4.1.4)
+# DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL with its reward model §4.1.4
 # ----------------------------------------------------------------------------------------------
 def process_supervision(batch: Batch, tokenizer, step_reward_fn, args: Args, device):
     """§4.1.3: (N, T) advantages on ``device`` from the steps that ``step_reward_fn(completion,
@@ -630,9 +636,8 @@ def _arithmetic(node: ast.AST) -> float:
 # A term: a number with "(", "-", ")" around it. No space can match two neighbouring \s*
 # (a sum without "=" took exponential time to reject: 6 s for ten terms).
 _TERM = rf"(?:-\s*)?\$?{tasks.DIGITS}(?:\s*\)+)?"
-_STEP = re.compile(
-    rf"(?<![\d.])(\(*\s*{_TERM}(?:\s*[-+*/×]\s*(?:\(+\s*)?{_TERM})+)\s*=\s*(-?\s*\$?{tasks.DIGITS})"
-)
+_LHS = rf"(\(*\s*{_TERM}(?:\s*[-+*/×]\s*(?:\(+\s*)?{_TERM})+)"  # x op y (op z ...), group 1
+_STEP = re.compile(rf"(?<![\d.]){_LHS}\s*=\s*(-?\s*\$?{tasks.DIGITS})")
 
 
 def arithmetic_step_rewards(completion: str, example=None) -> list[tuple[int, float]]:
@@ -745,9 +750,8 @@ def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator)
 
 
 # ----------------------------------------------------------------------------------------------
-# Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping.
-# Dr. GRPO, clip-higher and GSPO are options of group_advantages and grpo_loss above (main's
-# ``variants``).
+# Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping;
+# Dr. GRPO, clip-higher, GSPO and CISPO are options of group_advantages and grpo_loss (variants).
 # ----------------------------------------------------------------------------------------------
 def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
     """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep the groups whose rewards differ, and
@@ -805,13 +809,13 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun is in common.py)
 # ----------------------------------------------------------------------------------------------
-def rows_with_a_gradient(advantages, loss_mask, beta: float, loss_type: str, G: int):
+def rows_with_a_gradient(advantages, loss_mask, others: float, loss_type: str, G: int):
     """(n,) long: the rows steps 4-5 compute. A row with no token in the (N, T) ``loss_mask`` or,
-    with ``beta == 0``, whose (N,) or (N, T) advantages are all 0 (a group of equal rewards) adds
-    exactly 0 to eq. 3 and its gradient: left out (not under --loss-type bnpo, whose per-micro-batch
-    mean counts it). If none is left, the first group stays: AdamW then steps as on zeros."""
+    if ``others`` (the summed weights of the other terms) is 0, whose advantages are all 0 (equal
+    rewards) adds exactly 0 to the loss and its gradient: left out (not under bnpo, whose
+    per-micro-batch mean counts it). If none is left, the first group stays: AdamW steps on 0s."""
     nonzero = (advantages != 0).reshape(len(advantages), -1).any(1)
-    keep = (loss_mask.sum(1) > 0) & (nonzero | (beta > 0)) | (loss_type == "bnpo")
+    keep = (loss_mask.sum(1) > 0) & (nonzero | (others > 0)) | (loss_type == "bnpo")
     if not keep.any():
         keep[:G] = True
     return keep.nonzero().squeeze(1)
@@ -888,8 +892,7 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
     optimizer.load_state_dict(checkpoint["optimizer"])
     if reference is not None and checkpoint["reference"] is not None:  # reset (--iterations > 1)
         reference.load_state_dict(checkpoint["reference"])
-    if rm_training:
-        rm_training.state(checkpoint)
+    rm_training.state(checkpoint) if rm_training else None
     optimizer.param_groups[0].update(lr=args.learning_rate, weight_decay=args.weight_decay)
     for group in rm_training.optimizer.param_groups if rm_training else []:
         group.update(lr=args.rm_learning_rate, weight_decay=args.weight_decay)
@@ -902,10 +905,11 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm,
     its ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy``
     is the minimised -J of eq. 3 (KL included), the other ``loss/*`` are over the rows the update
     computed (:func:`rows_with_a_gradient`); ``time/generation_s`` covers steps 1-2."""
-    keys = ("loss", "kl", "clipped", "tokens", "entropy")  # summed over micro-batches, mu updates
+    keys = ("loss", "kl", "clipped_high", "clipped_low", "tokens", "entropy")  # micro-batches, mu
     sums = torch.tensor([sum(stats[key].item() for stats in loss_stats) for key in keys])
-    loss, kl, clipped, tokens, entropy = common.all_reduce(sums).tolist()
-    per_token = dict(kl=kl, clip_fraction=clipped, entropy=entropy)
+    loss, kl, high, low, tokens, entropy = common.all_reduce(sums).tolist()
+    per_token = dict(kl=kl, clip_fraction=high + low, entropy=entropy)
+    per_token |= dict(clip_fraction_high=high, clip_fraction_low=low)  # A > 0 and A < 0
     per_sequence = (batch.completion_mask.sum(1), batch.correct, batch.truncated)
     lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in per_sequence)
     ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in loss_stats))

@@ -109,6 +109,8 @@ class Args:
     # eps_v: how far the value may move from V_old before its loss is clipped
     clip_range_value: Annotated[float, Gt(0)] = 0.2
     vf_coef: Annotated[float, Gt(0)] = 0.1  # weight of the value loss
+    # weight of the entropy bonus in the policy loss (PPO eq. 9's c2; 0: none, as in the papers)
+    entropy_coef: Annotated[float, Ge(0)] = 0.0
     # gradient-norm clipping, of the policy and of the value model separately
     max_grad_norm: Annotated[float, Gt(0)] = 1.0
 
@@ -202,7 +204,7 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
 
 def token_log_probs(model, input_ids, attention_mask, T: int, temperature: float, entropy=False):
     """(B, T) ``log softmax(logits / temperature)`` of the last T tokens of the (B, P + T)
-    left-padded ``input_ids`` (with ``entropy`` also the detached (B, T) entropy, logged only).
+    left-padded ``input_ids`` (with ``entropy`` also the (B, T) entropy there, differentiable).
 
     Logits exist for the completion positions only; position ids count real tokens only, as in
     generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
@@ -213,7 +215,7 @@ def token_log_probs(model, input_ids, attention_mask, T: int, temperature: float
         logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits
     log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # j predicts token j + 1
     logp = torch.gather(log_probs, 2, input_ids[:, -T:].unsqueeze(-1)).squeeze(-1)
-    return (logp, -(log_probs.exp() * log_probs).sum(-1).detach()) if entropy else logp
+    return (logp, -(log_probs.exp() * log_probs).sum(-1)) if entropy else logp
 
 
 def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
@@ -284,11 +286,12 @@ def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, 
 
 
 def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, clip_range,
-             clip_range_value, vf_coef, num_sequences):  # fmt: skip
+             clip_range_value, vf_coef, num_sequences, entropy=None, entropy_coef=0.0):  # fmt: skip
     """(loss, stats) of a micro-batch: ``-J(theta) + vf_coef * L(phi)`` and detached sums (divide by
     ``tokens``) and extremes for logging.
 
-    Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)`` (PPO eq. 7); value:
+    Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + entropy_coef * H`` (PPO eq. 7 and
+    its entropy bonus, eq. 9; ``entropy`` H (b, T) with grad, read if ``entropy_coef``); value:
     ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (N+ details). Both are
     averaged over each sequence's ``|o|`` tokens (as grpo_lm.py does), summed and divided by the
     ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. All
@@ -301,6 +304,8 @@ def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, clip
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
+    if entropy_coef:  # the entropy bonus, in the policy loss
+        surrogate = surrogate + entropy_coef * entropy
     eps_v = clip_range_value
     values_clipped = old_values + torch.clamp(values - old_values, -eps_v, eps_v)
     value_losses = (values - returns) ** 2
@@ -397,6 +402,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     minibatch_size = N // args.num_minibatches
     M = minibatch_size * world  # sequences per minibatch, of every process: the losses divide by M
     coefs = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1's eps, N+ details
+    bonus = args.entropy_coef  # PPO eq. 9's c2
     temperature, micro_batch_size = args.temperature, args.micro_batch_size
     for step in log.progress(start_step, args.total_steps):
         t0 = time.time()
@@ -440,13 +446,15 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                     model.train(args.gradient_checkpointing)
                 for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
                     with common.bf16_autocast(device, args.bf16):
-                        logp, entropy = token_log_probs(policy, ids, att, t, temperature, True)
+                        logp, H = token_log_probs(policy, ids, att, t, temperature, True)
                         values = token_values(value_model, ids, att, t)
+                    H = H if bonus else H.detach()  # for logging: its graph goes now
                     old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
                     adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
-                    loss, stats = ppo_loss(logp, old_lp, adv, values, old_v, ret, m, *coefs, M)
+                    inputs = (logp, old_lp, adv, values, old_v, ret, m, *coefs, M, H, bonus)
+                    loss, stats = ppo_loss(*inputs)
                     loss.backward()
-                    loss_stats.append({**stats, "entropy": (entropy * m).sum()})
+                    loss_stats.append({**stats, "entropy": (H.detach() * m).sum()})
                 policy.eval(), value_model.eval()
                 common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
                 norms = [common.clip_gradients(p, args.max_grad_norm, step) for p in params]

@@ -145,10 +145,8 @@ def make_multistep_task(num_test=128, num_problems=10_000) -> Task:
     while len(problems) < num_problems:
         a, b, c, d = rng.randint(1, 20), rng.randint(1, 20), rng.randint(2, 9), rng.randint(1, 20)
         s, p = a + b, (a + b) * c
-        question = (
-            f"Compute ({a} + {b}) * {c} - {d}. Write each calculation on its own line in the form "
-            "x + y = z, and end with the result."
-        )
+        question = f"Compute ({a} + {b}) * {c} - {d}. Write each calculation on its own line in the"
+        question += " form x + y = z, and end with the result."
         solution = f"{a} + {b} = {s}\n{s} * {c} = {p}\n{p} - {d} = {p - d}"
         example = dict(question=question, answer=str(p - d), solution=solution)
         problems.setdefault((a, b, c, d), example)

@@ -214,6 +214,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     ),
     (["--task", "countdown"], "invalid choice 'countdown' for argument '--task'", CHEAP),
     (["--kl-estimator", "k4"], "invalid choice 'k4' for argument '--kl-estimator'", CHEAP),
+    (["--entropy-coef", "-0.01"], "--entropy-coef: must be greater than or equal to 0", CHEAP),
     (["--no-such-flag"], "Unrecognized options: --no-such-flag", CHEAP),
     *[(argv, f"Unrecognized options: {argv[0]}", CHEAP) for argv in REMOVED],
     (["--runs-dir", "{root}/rewards.py"], "--runs-dir: {root}/rewards.py is a file", CHEAP),

@@ -57,7 +57,8 @@ def test_clipped_surrogate_value_and_gradient(ratio, adv, loss, grad):
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert logp.grad.item() == pytest.approx(grad, abs=1e-6)
-    assert stats["clipped"].item() == (1.0 if grad == 0.0 else 0.0)
+    side, other = ("clipped_high", "clipped_low")[:: 1 if adv > 0 else -1]  # by the sign of A
+    assert stats[side].item() == (1.0 if grad == 0.0 else 0.0) and stats[other].item() == 0
 
 
 def test_completion_mask_stops_after_first_eos():
@@ -339,7 +340,7 @@ def tiny_args(model_dir, tmp_path, **kw) -> grpo_lm.Args:
         save_every=0,
         total_steps=2,
         seed=3,
-        beta=0.04,  # the paper's KL term (the default is 0)
+        beta=0.04,  # the paper's KL term (the default)
     )
     base.update(kw)
     return grpo_lm.Args(**base)

@@ -123,7 +123,8 @@ def test_clip_higher_value_and_gradient(ratio, adv, high, loss, grad):
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
     assert logp.grad.item() == pytest.approx(grad, abs=1e-6)
-    assert stats["clipped"].item() == (1.0 if grad == 0.0 else 0.0)
+    side, other = ("clipped_high", "clipped_low")[:: 1 if adv > 0 else -1]  # by the sign of A
+    assert stats[side].item() == (1.0 if grad == 0.0 else 0.0) and stats[other].item() == 0
 
 
 def test_gspo_sequence_level_ratio_hand_computed():
@@ -578,7 +579,7 @@ def test_dapo_flags_run_together(tiny_model_dir, tmp_path):
     [
         (
             {"loss_type": "ppo"},
-            "--loss-type: must be 'grpo', 'bnpo', 'dr_grpo' or 'dapo', got 'ppo'",
+            "--loss-type: must be 'grpo', 'bnpo', 'dr_grpo', 'dapo' or 'cispo', got 'ppo'",
         ),
         ({"scale_rewards": "std"}, "--scale-rewards: must be"),
         ({"importance_sampling_level": "seq"}, "--importance-sampling-level: must be"),
@@ -610,7 +611,7 @@ def test_cli_variant_error_is_one_line(tmp_path):
     # a Literal choice flag: tyro lists the choices in --help and rejects the rest, in one line
     assert out.stderr.strip().splitlines() == [
         "error: invalid choice 'ppo' for argument '--loss-type'. Expected one of ('grpo', "
-        "'bnpo', 'dr_grpo', 'dapo')."
+        "'bnpo', 'dr_grpo', 'dapo', 'cispo')."
     ]
 
 

@@ -101,7 +101,7 @@ def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
         save_every=0,
         total_steps=2,
         seed=3,
-        beta=0.04,  # the paper's KL term, as recorded (the default is 0)
+        beta=0.04,  # the paper's KL term, as recorded (the default since 2026-11-27)
     )
     ppo_base = dict(
         prompts_per_step=32,
