@@ -297,18 +297,26 @@ def test_multistep_task_and_its_reference_solutions():
         assert task.reward_fn(ex["solution"], ex) == 1.0 and task.correct_fn(ex["solution"], ex)
 
 
+def char_batch(tok, texts: list[str], rewards: list[float]) -> grpo_lm.Batch:
+    """A Batch of ``texts`` as completions of a character tokenizer (each + EOS, right-padded),
+    with their outcome ``rewards``."""
+    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
+    mask = grpo_lm.completion_mask(ids, tok.eos_token_id)
+    batch = grpo_lm.Batch(ids[:, :1], mask[:, :1].long(), ids, mask, [{}] * len(texts), texts)
+    batch.rewards = torch.tensor(rewards)
+    return batch
+
+
 def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     # one token per character: a step ending at character offset e ends at token e - 1; a step past
     # the end at the last token (the EOS), where the final answer's step also ends
     tok = make_tokenizer()
     texts = ["12+7=19\n19*3=56\nso 56", "999"]
     assert [e for e, _ in grpo_lm.arithmetic_step_rewards(texts[0])] == [7, 15]
-    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
-    T = max(map(len, rows))
-    ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
-    mask = grpo_lm.completion_mask(ids, tok.eos_token_id)
-    batch = grpo_lm.Batch(ids[:, :1], mask[:, :1].long(), ids, mask, [{}, {}], texts)
-    batch.rewards = torch.tensor([1.0, 0.0])
+    batch = char_batch(tok, texts, [1.0, 0.0])
+    T = batch.completion_ids.shape[1]
     seen = {}
 
     def process_advantages(rewards, seq, end, N, T, G, eps, scale, std):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import make_tokenizer
+from test_grpo_variants import char_batch
 
 import common
 import grpo_lm
@@ -77,13 +78,8 @@ def test_process_supervision_ends_with_the_outcome_at_the_last_token():
     # are normalised together (mean 0.5, std 0.5774): r~ = +-0.8659; A_i,t sums the r~ of the steps
     # ending at or after t.
     tok = make_tokenizer()
-    texts = ["1+1=2\nso 2", "1+1=3"]
-    rows = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
-    T = max(map(len, rows))
-    ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
-    mask = grpo_lm.completion_mask(ids, tok.eos_token_id)
-    batch = grpo_lm.Batch(ids[:, :1], mask[:, :1].long(), ids, mask, [{}, {}], texts)
-    batch.rewards = torch.tensor([1.0, 0.0])
+    batch = char_batch(tok, ["1+1=2\nso 2", "1+1=3"], [1.0, 0.0])
+    T, mask = batch.completion_ids.shape[1], batch.completion_mask
     args = SimpleNamespace(group_size=2, scale_rewards="group", adv_eps=0.0, prompts_per_step=1)
     steps = grpo_lm.arithmetic_step_rewards
     advantages = grpo_lm.process_supervision(batch, tok, steps, args, "cpu")
