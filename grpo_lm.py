@@ -447,8 +447,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         loss_mask = batch.completion_mask  # DAPO §3.4 overlong filtering: none of a truncated one
         if args.mask_truncated_completions:
             loss_mask = loss_mask * ~batch.truncated[:, None]
-        others = beta + args.entropy_coef  # every term but A's: KL, entropy bonus (weights >= 0)
-        rows = rows_with_a_gradient(advantages, loss_mask, others, args.loss_type, G)
+        other_weights = beta + args.entropy_coef  # of every term but A's: KL, entropy (each >= 0)
+        rows = rows_with_a_gradient(advantages, loss_mask, other_weights, args.loss_type, G)
         micro_batches = list(plan_micro_batches(batch, args.micro_batch_size, G, device, rows))
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
@@ -809,13 +809,13 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun is in common.py)
 # ----------------------------------------------------------------------------------------------
-def rows_with_a_gradient(advantages, loss_mask, others: float, loss_type: str, G: int):
+def rows_with_a_gradient(advantages, loss_mask, other_weights: float, loss_type: str, G: int):
     """(n,) long: the rows steps 4-5 compute. A row with no token in the (N, T) ``loss_mask`` or,
-    if ``others`` (the summed weights of the other terms) is 0, whose advantages are all 0 (equal
+    if ``other_weights`` (summed, of the terms but A's) is 0, whose advantages are all 0 (equal
     rewards) adds exactly 0 to the loss and its gradient: left out (not under bnpo, whose
     per-micro-batch mean counts it). If none is left, the first group stays: AdamW steps on 0s."""
     nonzero = (advantages != 0).reshape(len(advantages), -1).any(1)
-    keep = (loss_mask.sum(1) > 0) & (nonzero | (others > 0)) | (loss_type == "bnpo")
+    keep = (loss_mask.sum(1) > 0) & (nonzero | (other_weights > 0)) | (loss_type == "bnpo")
     if not keep.any():
         keep[:G] = True
     return keep.nonzero().squeeze(1)
@@ -903,8 +903,8 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm,
     """A step's logged scalars over the global batch (sums and per-sequence values gathered from
     every process), from ``loss_stats``, the :func:`grpo_loss` statistics of every micro-batch with
     its ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy``
-    is the minimised -J of eq. 3 (KL included), the other ``loss/*`` are over the rows the update
-    computed (:func:`rows_with_a_gradient`); ``time/generation_s`` covers steps 1-2."""
+    is the minimised -J of eq. 3 (KL, entropy bonus included), the other ``loss/*`` over the rows
+    the update computed (:func:`rows_with_a_gradient`); ``time/generation_s`` covers steps 1-2."""
     keys = ("loss", "kl", "clipped_high", "clipped_low", "tokens", "entropy")  # micro-batches, mu
     sums = torch.tensor([sum(stats[key].item() for stats in loss_stats) for key in keys])
     loss, kl, high, low, tokens, entropy = common.all_reduce(sums).tolist()

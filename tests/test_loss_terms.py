@@ -42,7 +42,7 @@ def test_cispo_hand_computed(ratio, adv, weight):
 
 def test_cispo_is_its_papers_formula():
     # J = 1 / sum_i |o_i| * sum_i sum_t sg(clip(r_it, 1 - eps_low, 1 + eps_high)) * A_i * log pi
-    # (MiniMax-M1 eq. 4-5, eps_low unbounded, eps_high = 0.28), written out token by token
+    # (MiniMax-M1 eq. 4; eps_low unbounded; eps_high 0.28 here, DAPO's value), token by token
     g = torch.Generator().manual_seed(0)
     logp = (-torch.rand(3, 4, generator=g) * 2).requires_grad_()
     old = logp.detach() + 0.4 * torch.randn(3, 4, generator=g)
@@ -63,12 +63,13 @@ def test_cispo_is_its_papers_formula():
 
 
 def test_clip_fraction_is_split_by_the_advantages_sign():
-    # tokens: (A > 0, ratio 1.5) clipped high; (A < 0, ratio 0.5) clipped low; (A > 0, ratio 0.5)
-    # and (A < 0, ratio 1.5) not clipped (the min keeps the pessimistic unclipped term)
-    logp = torch.log(torch.tensor([[1.5], [0.5], [0.5], [1.5]]))
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    _, stats = grpo_lm.grpo_loss(logp, torch.zeros(4, 1), None, adv, torch.ones(4, 1), 0.2, 0.0, 4)
-    assert stats["clipped_high"].item() == 1 and stats["clipped_low"].item() == 1
+    # tokens (A, ratio): (+, 1.5) and (+, 1.3) clipped high (eps_high 0.28), (+, 1.25) not; (-, 0.5)
+    # clipped low; (+, 0.5) and (-, 1.5) not clipped (the min keeps the pessimistic unclipped term)
+    ratios = torch.tensor([[1.5], [1.3], [1.25], [0.5], [0.5], [1.5]])
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, 1.0, -1.0])
+    args = (torch.log(ratios), torch.zeros(6, 1), None, adv, torch.ones(6, 1), 0.2, 0.0, 6)
+    _, stats = grpo_lm.grpo_loss(*args, clip_range_high=0.28)
+    assert stats["clipped_high"].item() == 2 and stats["clipped_low"].item() == 1
 
 
 def test_the_entropy_bonus_adds_its_term_and_gradient_in_grpo_and_ppo():
@@ -119,8 +120,9 @@ def const_task():
 def test_the_entropy_bonus_alone_raises_the_entropy(module, tiny_lora_model_dir, tmp_path):
     # (the LoRA tests' model, weights 10x larger: an entropy of ~3.7 nats, room to rise; the
     # default tiny model's is already ~4.3 of a uniform 4.4)
-    # a constant reward (grpo: A = 0; ppo: --vf-coef small, the bonus large) and --entropy-coef:
-    # the policy's entropy at the sampled tokens rises step after step; without it, it does not
+    # a constant reward (grpo: A = 0; ppo: GAE's advantages, a bonus large beside them) and
+    # --entropy-coef: the policy's entropy at the sampled tokens rises step after step; without it,
+    # it does not
     args = grpo_args if module is grpo_lm else ppo_args
     extra = dict(beta=0.0) if module is grpo_lm else dict(beta=0.0, num_ppo_epochs=1)
 

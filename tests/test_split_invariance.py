@@ -5,13 +5,15 @@ changes with gradient accumulation, the micro-batch size or the number of proces
 verl#3741, #5625, #7200, #7321). Here every loss divides by counts of the whole global batch
 (sequences, tokens, ``--max-new-tokens``), so the micro-batch losses and gradients add up to the
 batch's. These tests run ``main()`` for one step on the tiny model and compare the gradient of the
-first update (the flat vector that ``common.clip_gradients`` receives) and the logged loss:
+first update (the flat vector that ``common.clip_gradients`` receives) and the logged loss (at
+step 1 with mu = 1 several losses are ~0, so the gradient is what tells them apart):
 
 - with micro-batches of 1, of 2 and of the whole batch, for every ``--loss-type`` and advantage
   (outcome, ``--scale-rewards batch`` and ``none``, process supervision, GSPO's sequence ratio,
-  ``--beta 0``'s skipped rows), in ``grpo_lm.py``; and with minibatches split into micro-batches
-  in ``ppo_lm.py``;
-- with 1 and 2 ``torchrun`` processes (gloo, CPU) for the same cases.
+  CISPO, the entropy bonus, ``--beta 0``'s skipped rows), in ``grpo_lm.py``; and with minibatches
+  split into micro-batches in ``ppo_lm.py``;
+- with 1 and 2 ``torchrun`` processes (gloo, CPU) for those cases but GSPO and dapo (which
+  ``test_distributed.py`` runs).
 
 ``--loss-type bnpo`` is not invariant by design: its token mean is over each micro-batch (TRL's
 "bnpo" over its local batch). What it depends on is pinned: with one micro-batch holding the whole

@@ -87,9 +87,7 @@ def test_process_supervision_ends_with_the_outcome_at_the_last_token():
     expected = torch.zeros(2, T)
     expected[0, :5] = 2 * r  # the step (token 4) and the final answer (token 10, the EOS) after t
     expected[0, 5:11] = r  # only the final answer's step ends at or after t
-    expected[1, :5] = (
-        -2 * r
-    )  # the wrong step ends at token 4, the final answer at the EOS (token 5)
+    expected[1, :5] = -2 * r  # the wrong step ends at token 4, the final answer at the EOS, token 5
     expected[1, 5] = -r
     torch.testing.assert_close(advantages, expected)
     assert advantages[0, 10] == pytest.approx(r) and mask[0].sum() == 11  # at the last token
