@@ -174,13 +174,12 @@ def main() -> None:
     for side, (_, _, notes) in flags.items():
         if notes:
             print(f"{side}: {'; '.join(notes)}", flush=True)
-    results = {}
+    results, about = {}, {"cpu": cpu(), "old": opts.old, "new": head(), "extra": opts.extra}
     for seed in opts.seeds:
         for side, tree in trees.items():
             results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", flags[side])
             print(side, seed, json.dumps(results[side, seed]), flush=True)
             runs = [{"side": side, "seed": seed, **r} for (side, seed), r in results.items()]
-            about = {"cpu": cpu(), "old": opts.old, "new": head(), "extra": opts.extra}
             Path(opts.out).with_suffix(".json").write_text(
                 json.dumps({**about, "runs": runs}, indent=1) + "\n"
             )

@@ -109,6 +109,15 @@ def torchrun(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def gradient_vector(parameters):
+    """Every parameter's gradient (zeros where None, dense where sparse) as one float64 vector: what
+    an update received, to compare two runs' updates."""
+    import torch
+
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+    return torch.cat([(g.to_dense() if g.is_sparse else g).flatten().double() for g in grads])
+
+
 def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     """Every scalar series TensorBoard shows for ``run_dir``: {tag: [(step, value), ...]}, in step
     order, none dropped."""

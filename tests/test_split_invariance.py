@@ -27,7 +27,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, torchrun
+from conftest import ROOT, gradient_vector, torchrun
+from test_distributed import varied_reward
 from test_grpo_lm import digit_task
 from test_grpo_lm import tiny_args as grpo_args
 from test_ppo_lm import tiny_args as ppo_args
@@ -58,22 +59,13 @@ TORCHRUN_CASES = ("grpo", "dr_grpo", "batch_std", "cispo_mu2", "process", "beta0
 ONE_STEP = dict(total_steps=1, group_size=4, eval_size=0, generation_groups_per_call=1, bf16=False)
 
 
-def flat(parameters) -> torch.Tensor:
-    """Every trained parameter's gradient (zeros where None, dense where sparse), one vector."""
-    grads = []
-    for p in parameters:
-        g = torch.zeros_like(p) if p.grad is None else p.grad
-        grads.append((g.to_dense() if g.is_sparse else g).flatten().double())
-    return torch.cat(grads)
-
-
 def first_update(monkeypatch, module, args, task) -> tuple[float, torch.Tensor]:
     """(the logged loss of step 1, the gradient of its first update before clipping); ``task``:
     main()'s (None: the flags')."""
     seen = []
 
     def spy(parameters, max_norm, step):
-        seen.append(flat(parameters))
+        seen.append(gradient_vector(parameters))
         return CLIP_GRADIENTS(parameters, max_norm, step)
 
     monkeypatch.setattr(common, "clip_gradients", spy)
@@ -136,12 +128,12 @@ def test_ppo_micro_batches_within_a_minibatch_take_the_same_step(
 DRIVER = """
 import json, os, sys
 import torch
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import common, grpo_lm
+from conftest import gradient_vector
 seen, real = [], common.clip_gradients
 def spy(parameters, max_norm, step):
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
-    seen.append(torch.cat([(g.to_dense() if g.is_sparse else g).flatten().double() for g in grads]))
+    seen.append(gradient_vector(parameters))
     return real(parameters, max_norm, step)
 common.clip_gradients = spy
 start = common.start_processes  # one process group for every run: torchrun's rendezvous is once
@@ -163,38 +155,24 @@ def case_flags(extra: dict) -> list[str]:
 def test_grpo_two_processes_take_the_same_first_step_as_one_for_every_case(
     tiny_model_dir, tmp_path, monkeypatch
 ):
-    # the flags of grpo_args and ONE_STEP, the digit reward as a --dataset and a --reward-fn
-    rows = [f'{{"question": "{a}+{b}", "answer": "{a + b}"}}' for a in range(10) for b in range(10)]
-    (tmp_path / "digits.jsonl").write_text("\n".join(rows) + "\n")
-    (tmp_path / "digits.py").write_text(
-        "def digits(completion, example):\n"
-        "    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
-    )
-    flags = [
-        "--model-name-or-path",
-        str(tiny_model_dir),
-        "--dataset",
-        str(tmp_path / "digits.jsonl"),
-    ]
-    flags += ["--reward-fn", f"{tmp_path / 'digits.py'}:digits"]
+    # the flags of grpo_args and ONE_STEP on the addition task, a digit-counting reward
+    flags = ["--model-name-or-path", str(tiny_model_dir), *varied_reward(tmp_path)]
     flags += "--prompts-per-step 4 --group-size 4 --max-new-tokens 12 --learning-rate 1e-2".split()
     flags += "--temperature 1.0 --total-steps 1 --seed 3 --beta 0.04 --micro-batch-size 4".split()
     flags += "--generation-groups-per-call 1 --eval-size 0 --eval-every 0 --sample-every 0".split()
     flags += "--save-every 0 --device cpu --no-bf16".split()
-    cases = {
-        case: [*flags, *case_flags(extra), "--runs-dir", str(tmp_path / "two"), "--run-name", case]
-        for case, extra in GRPO_CASES.items()
-        if case in TORCHRUN_CASES
-    }
+
+    def case(name: str, runs_dir: str) -> list[str]:  # the case's flags, its own run directory
+        return [*flags, *case_flags(GRPO_CASES[name]), "--runs-dir", runs_dir, "--run-name", name]
+
     (tmp_path / "driver.py").write_text(DRIVER)
-    driver = [str(ROOT), json.dumps(cases), str(tmp_path)]
-    out = torchrun(str(tmp_path / "driver.py"), driver, cwd=tmp_path)
+    cases = {name: case(name, str(tmp_path / "two")) for name in TORCHRUN_CASES}
+    out = torchrun(str(tmp_path / "driver.py"), [str(ROOT), json.dumps(cases), str(tmp_path)])
     assert out.returncode == 0, out.stderr[-3000:]
-    for case, extra in [(case, GRPO_CASES[case]) for case in TORCHRUN_CASES]:
-        one = [*flags, *case_flags(extra), "--runs-dir", str(tmp_path / "one"), "--run-name", case]
-        args = common.parse_args(grpo_lm.Args, one)
+    for name in TORCHRUN_CASES:
+        args = common.parse_args(grpo_lm.Args, case(name, str(tmp_path / "one")))
         assert_same(
-            first_update(monkeypatch, grpo_lm, args, None), torch.load(tmp_path / f"{case}.pt")
+            first_update(monkeypatch, grpo_lm, args, None), torch.load(tmp_path / f"{name}.pt")
         )
 
 
