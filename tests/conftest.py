@@ -109,6 +109,17 @@ def torchrun(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def tolerance(cpu: float, cuda: float, device: str = "auto") -> float:
+    """``cpu``, or ``cuda`` where the numbers are computed on a GPU: on ``device``, and for "auto"
+    where main()'s default ``--device auto`` runs (CUDA when present). There main() turns TF32
+    matmuls on (``common.start_processes``: float32 products to ~1e-3 relative) and bf16 autocast
+    unless ``--no-bf16``; the CPU keeps the float32 bound ``cpu``."""
+    import torch
+
+    on_cuda = device.startswith("cuda") or device == "auto" and torch.cuda.is_available()
+    return cuda if on_cuda else cpu
+
+
 def gradient_vector(parameters):
     """Every parameter's gradient (zeros where None, dense where sparse) as one float64 vector: what
     an update received, to compare two runs' updates."""

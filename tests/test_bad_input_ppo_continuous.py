@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from conftest import assert_one_line_error  # noqa: E402
 
+pytest.importorskip("gymnasium")  # without it (requirements.txt): a skip, not an error
 import ppo_continuous as pc  # noqa: E402
 
 torch.set_num_threads(1)

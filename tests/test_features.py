@@ -146,12 +146,26 @@ def test_ppo_weighted_reward_functions(tiny_model_dir, tmp_path, reward_file):
     )
 
 
-def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):
+def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     # as grpo's test: --eval-only from checkpoint.pt and from final_model gives the last accuracy
-    # training logged, which training moved (so neither can be the untrained model's)
+    # training logged, and scores the trained weights, not the untrained model's (which the
+    # accuracy need not tell apart: it moved 0 -> 1 on the CPU, stayed 0 on an H100)
+    import torch
     from test_grpo_lm import digit_task
 
     import ppo_lm
+    import tasks
+
+    scored = []  # the weights of each model whose held-out accuracy was measured
+    greedy = tasks.greedy_accuracy
+
+    def spy(policy, *args):
+        scored.append(torch.cat([p.detach().cpu().flatten() for p in policy.parameters()]))
+        return greedy(policy, *args)
+
+    monkeypatch.setattr(tasks, "greedy_accuracy", spy)
 
     task = digit_task()
     task.correct_fn = lambda completion, example: (
@@ -168,10 +182,13 @@ def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(tiny_model_dir, 
         ppo_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"),
         task=task,
     )
-    assert trained["eval/accuracy"] == [0.0, 1.0]  # training moved it: a real comparison
-    assert from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == [1.0]
-    assert json.loads((run / "eval_step2.json").read_text())["accuracy"] == 1.0
+    last = trained["eval/accuracy"][-1:]
+    assert from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == last
+    assert json.loads((run / "eval_step2.json").read_text())["accuracy"] == last[0]
     assert (tmp_path / "eval" / "eval.json").is_file()
+    initial, final, *evaluated = scored  # training's steps 0 and 2, then the two --eval-only runs
+    assert len(evaluated) == 2 and all(torch.equal(w, final) for w in evaluated)
+    assert not torch.equal(initial, final)  # training moved the weights: a real comparison
 
 
 def test_ppo_track_writes_an_offline_wandb_run(

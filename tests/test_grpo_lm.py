@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, hide_module, tb_scalars
+from conftest import ROOT, hide_module, tb_scalars, tolerance
 
 import common
 import grpo_lm
@@ -487,8 +487,8 @@ def test_whole_sequence_log_probs_take_the_same_steps(tiny_model_dir, tmp_path, 
         tiny_args(tiny_model_dir, tmp_path / "b", beta=0.1, **flags), task=digit_task()
     )
     # float32 on the CPU; on CUDA, bf16 autocast rounds the checkpointed whole-sequence pass and the
-    # shared prompt pass differently (measured on an H100: 3e-4 relative on a policy loss of 6e-4)
-    tol = dict(rel=2e-3, abs=1e-6) if torch.cuda.is_available() else dict(rel=1e-5, abs=1e-7)
+    # shared prompt pass differently (measured on an H100: 2.8e-3 relative on step 2's KL of 8e-3)
+    tol = dict(rel=tolerance(1e-5, 1e-2), abs=tolerance(1e-7, 1e-6))
     for key in ("loss/policy", "loss/kl", "optim/grad_norm", "reward/mean"):
         assert ckpt[key] == pytest.approx(plain[key], **tol), key
     assert plain["optim/grad_norm"][1] > 0 and plain["loss/kl"][1] > 0
@@ -741,7 +741,8 @@ def test_without_the_kl_the_update_leaves_out_equal_reward_groups_with_the_same_
         return float(any(c.isdigit() for c in completion[:2]))
 
     task = tasks.Task("d", examples[8:], examples[:8], digit_first, tasks.number_matches)
-    args = dict(beta=0.0, total_steps=1)
+    # on the CPU: which groups have equal rewards is the device's RNG's draw (CUDA's had none)
+    args = dict(beta=0.0, total_steps=1, device="cpu")
     skipped = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **args), task=task)
     monkeypatch.setattr(
         grpo_lm, "rows_with_a_gradient", lambda adv, mask, *_: torch.arange(len(mask))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, make_tokenizer
+from conftest import ROOT, make_tokenizer, tolerance
 from test_grpo_lm import digit_task, tiny_args
 
 import common
@@ -364,8 +364,9 @@ def test_process_supervision_learns_from_step_rewards_alone(tiny_model_dir, tmp_
     )  # no outcome signal at all: only the steps can teach
     outcome = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "o", total_steps=1), task=task)
     # outcome supervision: every advantage is 0, and the KL's gradient is 0 at the reference (to
-    # float rounding: log probs with and without grad may differ by ~5e-7 in 2-group micro-batches)
-    assert outcome["optim/grad_norm"][0] < 1e-7
+    # float rounding: log probs with and without grad may differ by ~5e-7 in 2-group micro-batches;
+    # on CUDA, under bf16 autocast, an H100 measured a norm of 4.5e-7)
+    assert outcome["optim/grad_norm"][0] < tolerance(1e-7, 1e-5)
     history = grpo_lm.main(
         tiny_args(tiny_model_dir, tmp_path / "p", total_steps=15, supervision="process"),
         task=task,
@@ -387,11 +388,13 @@ def test_reference_is_reset_to_the_policy_every_iteration(tiny_model_dir, tmp_pa
         tiny_args(tiny_model_dir, tmp_path / "b", total_steps=2, beta=0.1, iterations=2),
         task=digit_task(),
     )
-    assert one["loss/kl"][0] == two["loss/kl"][0] == 0.0  # step 1: reference = initial policy
-    assert one["loss/kl"][1] > 0  # one iteration: the policy moved away from the reference
-    assert (
-        two["loss/kl"][1] == 0.0
-    )  # step 2 starts iteration 2: reference <- policy, so KL is exactly 0
+    # exactly 0 on the CPU; on CUDA the shared prompt pass under bf16 autocast gave -1.6e-10 (an
+    # H100), and a reference left unreset 8e-3
+    zero = tolerance(0.0, 1e-6)
+    assert abs(one["loss/kl"][0]) <= zero  # step 1: reference = initial policy
+    assert two["loss/kl"][0] == one["loss/kl"][0]
+    assert one["loss/kl"][1] > zero  # one iteration: the policy moved away from the reference
+    assert abs(two["loss/kl"][1]) <= zero  # step 2 starts iteration 2: reference <- policy
     assert two["loss/policy"][0] == one["loss/policy"][0]
 
 

@@ -78,9 +78,9 @@ PPO = {
 
 def _args(module, base: dict, flags: dict, models: dict[str, Path], run_dir: Path):
     flags = {k: (str(models["rm"]) if v == "{rm}" else v) for k, v in flags.items()}
-    return module.Args(
-        **{**base, "model_name_or_path": str(models["policy"]), "runs_dir": str(run_dir), **flags}
-    )
+    paths = {"model_name_or_path": str(models["policy"]), "runs_dir": str(run_dir)}
+    # the recording's device, the CPU, also where a GPU is: CUDA's RNG samples other tokens
+    return module.Args(**{**base, **paths, "device": "cpu", **flags})
 
 
 def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
