@@ -243,9 +243,9 @@ class RunLog:
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """``memory/peak_rss_gb`` (ru_maxrss, KiB on Linux) and on CUDA ``memory/peak_cuda_gb``."""
-    cuda = {"memory/peak_cuda_gb": torch.cuda.max_memory_allocated(device) / 2**30}
     rss = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    return rss | (cuda if device.type == "cuda" else {})
+    gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return rss | ({"memory/peak_cuda_gb": gb} if gb is not None else {})
 
 
 # ---- Models: the offline default model, dropout off, LoRA -----------------------------------

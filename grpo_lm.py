@@ -246,16 +246,14 @@ class MicroBatch(NamedTuple):
     completion_mask: torch.Tensor  # (b, T) long, 1 up to and including the first EOS
 
 
-def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_entropy=False):
+def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, entropy_coef=None):
     """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
-    ``model`` (with ``with_entropy`` also the (b, T) entropy of that distribution, differentiable).
-
+    ``model``; with ``entropy_coef`` also their (b, T) entropy, differentiable if it is not 0.
     ``share_prompt``: each distinct prompt goes through the model once and its keys and values (with
     their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
     float rounding, for 1/G of the prompt's compute (off under gradient checkpointing, which drops
-    the cache). Position ids count real tokens only, as in generation; the LM head and log-softmax
-    run in float32 also under bf16 autocast (``common.float32_lm_head``).
-    """
+    the cache). Position ids count real tokens only, as in generation; the LM head runs in float32
+    also under bf16 autocast (``common.float32_lm_head``)."""
     P, T = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
     mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask], 1)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -267,17 +265,18 @@ def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, with_
             logits = prefix.logits[mb.prompt_index]  # (b, 1, V): the first completion token's
             if T > 1:  # the prompts' keys and values, (U, ...) -> (b, ...), differentiable
                 (cache := prefix.past_key_values).batch_select_indices(mb.prompt_index)
-                rest = dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1])
-                ids = mb.completion_ids[:, :-1]
-                rest = model(input_ids=ids, **rest, past_key_values=cache, use_cache=True)
-                logits = torch.cat([logits, rest.logits], 1)
+                ids = dict(input_ids=mb.completion_ids[:, :-1], past_key_values=cache)
+                rest = dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1], **ids)
+                logits = torch.cat([logits, model(**rest).logits], 1)  # no reference kept
         else:
             ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids], 1)
             whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
             logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[:, :-1]  # t -> t+1
-    log_probs = (logits.float() / temperature).log_softmax(-1)
-    logp = torch.gather(log_probs, 2, mb.completion_ids.unsqueeze(-1)).squeeze(-1)
-    return (logp, -(log_probs.exp() * log_probs).sum(-1)) if with_entropy else logp
+    logp, H = [], []  # a row at a time: 2.5 (b, T, V) copies at the peak, not 5 (all rows at once)
+    for z, ids in zip(logits.float().split(1), mb.completion_ids.split(1), strict=True):
+        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, ids[..., None])[..., 0])
+        H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))  # 0: logged
+    return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -312,8 +311,7 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_
         entropy: (b, T) the policy's entropy H at each position (with grad; read if entropy_coef).
     Returns:
         (loss, stats): the loss and detached per-token sums and extremes, for logging (clipped_high:
-        A > 0, ratio > 1 + eps_high; clipped_low: A < 0, ratio < 1 - eps).
-    """
+        A > 0, ratio > 1 + eps_high; clipped_low: A < 0, ratio < 1 - eps)."""
     valid = mask.bool()
     log_ratio = torch.where(valid, logp - old_logp, 0.0)
     if level == "sequence":  # GSPO's s_i, (b, 1)
@@ -368,8 +366,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     ``step_reward_fn(completion, example) -> [(end character offset, reward), ...]`` gives the step
     rewards of ``--supervision process`` (default :func:`arithmetic_step_rewards`: every
     equation ``x op y = z`` checked). Under ``torchrun`` every process runs this function on its
-    share of the batch; the returned history holds the global values on every rank.
-    """
+    share of the batch; the returned history holds the global values on every rank."""
     validate(args)  # a bad flag, checkpoint, dataset or reward file: one line, before any load
     checkpoint, model = resume_checkpoint(args), args.model_name_or_path  # --resume's, checked
     name = f"{Path(args.dataset or args.task).stem}__grpo__{args.seed}__{int(time.time())}"
@@ -453,11 +450,11 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         old_logp = torch.zeros_like(loss_mask)
         ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA, AVX512-BF16)
-            for idx, t, inputs in micro_batches:
+            for idx, t, mb in micro_batches:
                 if args.mu > 1:  # with mu = 1, pi_old = pi_theta: logp.detach() below
-                    old_logp[idx, :t] = token_log_probs(policy, inputs, temperature, shared)
+                    old_logp[idx, :t] = token_log_probs(policy, mb, temperature, shared)
                 if reference is not None:
-                    ref_logp[idx, :t] = token_log_probs(reference, inputs, temperature, shared)
+                    ref_logp[idx, :t] = token_log_probs(reference, mb, temperature, shared)
 
         # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
         # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
@@ -466,10 +463,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         for _ in range(args.mu):
             optimizer.zero_grad(set_to_none=True)
             policy.train(args.gradient_checkpointing)  # HF recomputes activations in train mode
-            for idx, t, inputs in micro_batches:
+            for idx, t, mb in micro_batches:
                 with common.bf16_autocast(device, args.bf16):
-                    logp, H = token_log_probs(policy, inputs, temperature, shared, True)
-                H = H if args.entropy_coef else H.detach()  # for logging: its graph goes now
+                    logp, H = token_log_probs(policy, mb, temperature, shared, args.entropy_coef)
                 old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
                 ref = ref_logp[idx, :t] if ref_logp is not None else None
                 adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
@@ -605,8 +601,7 @@ def process_advantages(rewards, seq, end, num_sequences, num_tokens, group_size,
     std); then ``A_i,t`` = the sum of r~_j over the steps of output i that end at or after t (0
     after the last step). ``scale`` as in :func:`group_advantages` ("batch": the std of every step
     of the batch, ``std`` when it spans several processes). The caller makes the final answer one
-    more step with the outcome reward, so every completion has a step.
-    """
+    more step with the outcome reward, so every completion has a step."""
     group, normalised = seq // group_size, torch.empty_like(rewards)
     for g in range(num_sequences // group_size):
         r = rewards[group == g]
@@ -801,9 +796,7 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> tor
     """DAPO soft overlong punishment (arXiv 2503.14476, §3.4), added to the reward: (N,) in [-1, 0]
     from the (N,) lengths |o| (EOS included): 0 for ``|o| <= L_max - L_cache``, then ``((L_max -
     L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``, 0 = off)."""
-    if buffer <= 0:
-        return torch.zeros_like(lengths, dtype=torch.float32)
-    return (((max_length - buffer) - lengths.float()) / buffer).clamp(-1.0, 0.0)
+    return (((max_length - buffer) - lengths.float()) / max(buffer, 1)).clamp(-1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -900,11 +893,10 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
 
 
 def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm, t0, gen_time):
-    """A step's logged scalars over the global batch (sums and per-sequence values gathered from
-    every process), from ``loss_stats``, the :func:`grpo_loss` statistics of every micro-batch with
-    its ``loss`` and masked ``entropy`` sum, and the extensions' ``batch.scalars``. ``loss/policy``
-    is the minimised -J of eq. 3 (KL, entropy bonus included), the other ``loss/*`` over the rows
-    the update computed (:func:`rows_with_a_gradient`); ``time/generation_s`` covers steps 1-2."""
+    """A step's logged scalars over the global batch (every process's sums and per-sequence values)
+    from ``loss_stats`` (:func:`grpo_loss`'s of every micro-batch, with its ``loss`` and masked
+    ``entropy`` sum) and ``batch.scalars``. ``loss/policy``: the minimised -J of eq. 3 (KL, entropy
+    bonus in), other ``loss/*`` over :func:`rows_with_a_gradient`; time/generation_s: steps 1, 2."""
     keys = ("loss", "kl", "clipped_high", "clipped_low", "tokens", "entropy")  # micro-batches, mu
     sums = torch.tensor([sum(stats[key].item() for stats in loss_stats) for key in keys])
     loss, kl, high, low, tokens, entropy = common.all_reduce(sums).tolist()

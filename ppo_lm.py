@@ -202,9 +202,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def token_log_probs(model, input_ids, attention_mask, T: int, temperature: float, entropy=False):
+def token_log_probs(model, input_ids, attention_mask, T, temperature, entropy_coef=None):
     """(B, T) ``log softmax(logits / temperature)`` of the last T tokens of the (B, P + T)
-    left-padded ``input_ids`` (with ``entropy`` also the (B, T) entropy there, differentiable).
+    left-padded ``input_ids``; with ``entropy_coef`` also their (B, T) entropy, differentiable if
+    it is not 0 (one row at a time: 2.5 (B, T, V) copies at the peak, not 5).
 
     Logits exist for the completion positions only; position ids count real tokens only, as in
     generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
@@ -212,10 +213,12 @@ def token_log_probs(model, input_ids, attention_mask, T: int, temperature: float
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     with common.float32_lm_head(model):
-        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits
-    log_probs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # j predicts token j + 1
-    logp = torch.gather(log_probs, 2, input_ids[:, -T:].unsqueeze(-1)).squeeze(-1)
-    return (logp, -(log_probs.exp() * log_probs).sum(-1)) if entropy else logp
+        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # j: j + 1
+    logp, H = [], []
+    for z, ids in zip(logits.float().split(1), input_ids[:, -T:].split(1), strict=True):
+        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, ids[..., None])[..., 0])
+        H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))  # 0: logged
+    return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
 
 
 def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
@@ -446,9 +449,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                     model.train(args.gradient_checkpointing)
                 for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
                     with common.bf16_autocast(device, args.bf16):
-                        logp, H = token_log_probs(policy, ids, att, t, temperature, True)
+                        logp, H = token_log_probs(policy, ids, att, t, temperature, bonus)
                         values = token_values(value_model, ids, att, t)
-                    H = H if bonus else H.detach()  # for logging: its graph goes now
                     old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
                     adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
                     inputs = (logp, old_lp, adv, values, old_v, ret, m, *coefs, M, H, bonus)

@@ -831,7 +831,9 @@ def run_speed(a: argparse.Namespace) -> None:
             )
             print(
                 f"  -> {runs[-1]['s_per_step']:.2f} s/step, {runs[-1]['tokens_per_s']:.1f} "
-                f"completion tokens/s, peak RSS {rss:.2f} GiB, wall {wall:.0f} s",
+                f"completion tokens/s, peak RSS {rss:.2f} GiB, wall {wall:.0f} s, generation "
+                f"{runs[-1]['generation_s_per_step']:.2f} s/step, peak CUDA "
+                f"{runs[-1].get('peak_cuda_gb')} GiB",
                 flush=True,
             )
 

@@ -569,6 +569,18 @@ def test_pad_left_puts_every_last_token_in_the_last_column():
         common.pad_left([], 0)
 
 
+def test_peak_memory_of_a_cpu_run_on_a_machine_whose_gpu_is_in_use_reads_no_cuda_statistics(
+    monkeypatch,
+):
+    """``--device cpu`` where CUDA is initialised (on an H100, 2026-11-27: ValueError at step 1)."""
+
+    def cuda_only(device=None):  # as torch answers a CPU device once CUDA is initialised
+        raise ValueError(f"Expected a cuda device, but got: {device}")
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", cuda_only)
+    assert list(common.peak_memory_gb(torch.device("cpu"))) == ["memory/peak_rss_gb"]
+
+
 def test_start_processes_on_the_cpu_is_one_process_without_a_group(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

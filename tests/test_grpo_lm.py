@@ -767,7 +767,7 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
             grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att),
             0.7,
             True,
-            with_entropy=True,
+            entropy_coef=0.0,
         )
         inputs = torch.cat([prompt_ids[index], completions], 1)
         mask = torch.cat([prompt_mask[index], att], 1)
