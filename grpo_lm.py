@@ -273,8 +273,8 @@ def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, entro
             whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
             logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[:, :-1]  # t -> t+1
     logp, H = [], []  # a row at a time: 2.5 (b, T, V) copies at the peak, not 5 (all rows at once)
-    for z, ids in zip(logits.float().split(1), mb.completion_ids.split(1), strict=True):
-        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, ids[..., None])[..., 0])
+    for z, row in zip(logits.float().split(1), mb.completion_ids.split(1), strict=True):
+        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, row[..., None])[..., 0])
         H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))  # 0: logged
     return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
 

@@ -215,8 +215,8 @@ def token_log_probs(model, input_ids, attention_mask, T, temperature, entropy_co
     with common.float32_lm_head(model):
         logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # j: j + 1
     logp, H = [], []
-    for z, ids in zip(logits.float().split(1), input_ids[:, -T:].split(1), strict=True):
-        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, ids[..., None])[..., 0])
+    for z, row in zip(logits.float().split(1), input_ids[:, -T:].split(1), strict=True):
+        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, row[..., None])[..., 0])
         H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))  # 0: logged
     return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
 
