@@ -130,8 +130,12 @@ class Args:
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "grpo"
     # weight of the entropy bonus in the policy loss (PPO eq. 9's c2; 0: none, as in the papers)
     entropy_coef: Annotated[float, Ge(0)] = 0.0
-    # divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO)
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    # the baseline subtracted from each reward: its group's mean ('grpo', §4.1.2), the mean of the
+    # group's other G-1 ('rloo', arXiv 2402.14740), the batch's mean ('reinforce++', 2501.03262)
+    advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
+    # divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO);
+    # default: the --advantage's own (grpo: group, rloo: none, reinforce++: batch)
+    scale_rewards: Literal["group", "batch", "none"] | None = None
     # upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range
     clip_range_high: Annotated[float, Gt(0)] | None = None
     # 'token' (eq. 3) or 'sequence' (GSPO: one length-normalised ratio per completion)
@@ -224,16 +228,24 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps=1e-4, scale="group"):
-    """Outcome supervision (§4.1.2): (B * G,) ``(r_i - mean(r)) / (std(r) + eps)`` over the G
-    outputs of each question (contiguous in the (B * G,) ``rewards``, unbiased std), for every
-    token of o_i; a group of equal rewards gets 0. ``scale="batch"``: the whole batch's std;
-    ``"none"``: only centred (Dr. GRPO, arXiv 2503.20783 §3.1: the std up-weights questions too
-    easy or too hard)."""
-    grouped = rewards.view(-1, group_size)
-    centred = grouped - grouped.mean(1, keepdim=True)
-    std = rewards.std() if scale == "batch" else grouped.std(1, keepdim=True)
-    return (centred if scale == "none" else centred / (std + eps)).view(-1)
+def group_advantages(rewards, group, eps=1e-4, scale=None, baseline="grpo", batch=None):
+    """Outcome supervision (§4.1.2): (S,) ``(r_i - mean(r)) / (std(r) + eps)`` of the (S,)
+    ``rewards`` over each one's group (``group``: (S,) long, its question's index; unbiased std),
+    for every token of o_i; a group of equal rewards gets 0. ``baseline`` (--advantage): the
+    group's mean (``"grpo"``), the mean of its other n-1, ``n/(n-1) (r_i - mean(r))`` (``"rloo"``,
+    arXiv 2402.14740), or the batch's (``"reinforce++"``, arXiv 2501.03262). ``scale``: the std of
+    the ``"group"``, of the ``"batch"`` (``batch``: every process's rewards, default ``rewards``)
+    or ``"none"`` (Dr. GRPO, arXiv 2503.20783 §3.1: the std up-weights questions too easy or too
+    hard); None: the baseline's own (grpo: group, rloo: none, reinforce++: batch)."""
+    scale = scale or dict(grpo="group", rloo="none", **{"reinforce++": "batch"})[baseline]
+    batch = rewards if batch is None else batch
+    n = torch.bincount(group)[group].to(rewards.dtype)  # the size of each one's group
+    group_sum = lambda x: torch.zeros_like(x).index_add_(0, group, x)[group]  # noqa: E731
+    centred = rewards - group_sum(rewards) / n  # r_i - mean(r)
+    std = dict(group=(group_sum(centred**2) / (n - 1)).sqrt(), batch=batch.std(), none=None)[scale]
+    if baseline != "grpo":  # rloo: n/(n-1) times it; reinforce++: r_i - the batch's mean
+        centred = centred * n / (n - 1) if baseline == "rloo" else rewards - batch.mean()
+    return centred if scale == "none" else centred / (std + eps)
 
 
 class MicroBatch(NamedTuple):
@@ -435,7 +447,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         gen_time = time.time() - t0
 
         # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, every t (§4.1.2) ----
-        advantages = group_advantages(rewards, G, args.adv_eps, args.scale_rewards)
+        baselines = (args.adv_eps, args.scale_rewards, args.advantage)  # --advantage: the baseline
+        advantages = group_advantages(rewards, torch.arange(N_all) // G, *baselines)  # groups of G
         advantages = advantages[rank * N : rank * N + N].to(device)  # this process's groups
         if args.supervision == "process":  # §4.1.3: sums of the normalised step rewards from t on
             steps = step_reward_fn or arithmetic_step_rewards
@@ -581,10 +594,10 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn, args: Args, dev
         ends += [min(bisect.bisect_left(lengths, e), n_i - 1) for e, _ in steps] + [n_i - 1]
         rewards += [r for _, r in steps] + [batch.rewards[i].item()]
         rows += [i] * (len(steps) + 1)
-    G, scale = args.group_size, args.scale_rewards
-    std = torch.tensor(common.all_gather_objects(rewards)).std() if scale == "batch" else None
+    G, batch_rewards = args.group_size, torch.tensor(common.all_gather_objects(rewards))
     steps = torch.tensor(rewards), torch.tensor(rows), torch.tensor(ends)
-    advantages = process_advantages(*steps, N, T, G, args.adv_eps, scale, std)
+    baselines = args.adv_eps, args.scale_rewards, args.advantage, batch_rewards  # every process's
+    advantages = process_advantages(*steps, N, T, G, *baselines)
     checked = [len(rewards) - N, sum(rewards) - batch.rewards.sum().item()]  # not final answers
     checked, step_sum = common.all_reduce(torch.tensor(checked, dtype=torch.float64)).tolist()
     batch.scalars["process/steps_per_completion"] = checked / (args.prompts_per_step * G)
@@ -593,23 +606,17 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn, args: Args, dev
 
 
 def process_advantages(rewards, seq, end, num_sequences, num_tokens, group_size, eps=1e-4,
-                       scale="group", std=None) -> torch.Tensor:  # fmt: skip
+                       scale=None, baseline="grpo", batch=None) -> torch.Tensor:  # fmt: skip
     """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``).
 
     The (S,) float ``rewards`` of every step of the G outputs of a question, each step j in
     completion ``seq[j]`` ending at its token ``end[j]`` (``seq``, ``end``: (S,) long tensors in
     [0, B * G) and [0, T)), are normalised together, ``r~_j = (r_j - mean) / (std + eps)`` (unbiased
-    std); then ``A_i,t`` = the sum of r~_j over the steps of output i that end at or after t (0
-    after the last step). ``scale`` as in :func:`group_advantages` ("batch": the std of every step
-    of the batch, ``std`` when it spans several processes). The caller makes the final answer one
-    more step with the outcome reward, so every completion has a step."""
-    group, normalised = seq // group_size, torch.empty_like(rewards)
-    for g in range(num_sequences // group_size):
-        r = rewards[group == g]
-        centred = r - r.mean()
-        normalised[group == g] = centred / (r.std() + eps) if scale == "group" else centred
-    if scale == "batch":
-        normalised = normalised / ((rewards.std() if std is None else std) + eps)
+    std; ``scale``, ``baseline`` and ``batch``, every process's step rewards, as in
+    :func:`group_advantages`); then ``A_i,t`` = the sum of r~_j over the steps of output i that
+    end at or after t (0 after the last step). The caller makes the final answer one more step
+    with the outcome reward, so every completion has a step."""
+    normalised = group_advantages(rewards, seq // group_size, eps, scale, baseline, batch)
     at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
     at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t

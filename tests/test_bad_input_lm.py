@@ -415,6 +415,7 @@ GRPO = [
     (["--adv-eps", "nan"], "--adv-eps: must be a finite number", CHEAP),
     (["--loss-type", "ppo"], "invalid choice 'ppo' for argument '--loss-type'", CHEAP),
     (["--scale-rewards", "std"], "invalid choice 'std' for argument '--scale-rewards'", CHEAP),
+    (["--advantage", "ppo"], "invalid choice 'ppo' for argument '--advantage'", CHEAP),
     (["--supervision", "steps"], "invalid choice 'steps' for argument '--supervision'", CHEAP),
     (
         ["--importance-sampling-level", "seq"],

@@ -23,13 +23,14 @@ LOG_HALF, LOG_2 = math.log(0.5), math.log(2.0)
 # ---------------------------------------------------------------------------------------------
 def test_group_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0, 1.0, 1.0])
-    adv = grpo_lm.group_advantages(rewards, group_size=4, eps=1e-4)
+    adv = grpo_lm.group_advantages(rewards, torch.arange(12) // 4, eps=1e-4)
     # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: all equal -> 0; group 3: mean 1, std
     # sqrt(2/3)
     s1, s3 = math.sqrt(1 / 3) + 1e-4, math.sqrt(2 / 3) + 1e-4
     expected = [0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1, 0, 0, 0, 0, 1 / s3, -1 / s3, 0, 0]
     torch.testing.assert_close(adv, torch.tensor(expected), rtol=0, atol=1e-6)
-    assert not torch.isnan(grpo_lm.group_advantages(torch.zeros(8), 8, eps=1e-4)).any()
+    equal = grpo_lm.group_advantages(torch.zeros(8), torch.zeros(8, dtype=torch.long), eps=1e-4)
+    assert equal.tolist() == [0.0] * 8
 
 
 @pytest.mark.parametrize(

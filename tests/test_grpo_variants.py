@@ -173,14 +173,39 @@ def test_gspo_sequence_level_ratio_hand_computed():
 # ---------------------------------------------------------------------------------------------
 # Advantages: --scale-rewards, process supervision; DAPO overlong shaping; replay mix
 # ---------------------------------------------------------------------------------------------
+GROUPS = torch.arange(8) // 4  # two groups of G = 4
+
+
 def test_scale_rewards_batch_and_none():
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 2])
     centred = torch.tensor([0.5, -0.5, -0.5, 0.5, -0.5, -0.5, -0.5, 1.5])  # group means 0.5 and 0.5
-    torch.testing.assert_close(grpo_lm.group_advantages(rewards, 4, EPS, scale="none"), centred)
+    none = grpo_lm.group_advantages(rewards, GROUPS, EPS, scale="none")
+    torch.testing.assert_close(none, centred)
     batch_std = math.sqrt(4.0 / 7)  # sum of squared deviations from 0.5 is 4, unbiased over 8
-    torch.testing.assert_close(
-        grpo_lm.group_advantages(rewards, 4, EPS, scale="batch"), centred / (batch_std + EPS)
-    )
+    batch = grpo_lm.group_advantages(rewards, GROUPS, EPS, scale="batch")
+    torch.testing.assert_close(batch, centred / (batch_std + EPS))
+
+
+def test_rloo_and_reinforce_plus_plus_advantages_hand_computed():
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 2])
+    # RLOO: r_i minus the mean of the group's other 3 rewards, no std: 1 - 1/3, 0 - 2/3, ...; in
+    # the second group 0 - 2/3 and 2 - 0
+    rloo = grpo_lm.group_advantages(rewards, GROUPS, EPS, baseline="rloo")
+    torch.testing.assert_close(rloo, torch.tensor([2, -2, -2, 2, -2, -2, -2, 6]) / 3)
+    group_std = grpo_lm.group_advantages(rewards, GROUPS, EPS, "group", "rloo")
+    std = torch.tensor([1 / 3] * 4 + [1.0] * 4).sqrt()  # unbiased: (1/4 * 4) / 3, (3/4 * 4) / 3
+    torch.testing.assert_close(group_std, rloo / (std + EPS))
+    # REINFORCE++: the batch's mean 0.5 and unbiased std sqrt(4/7), whatever the groups
+    plus = grpo_lm.group_advantages(rewards, GROUPS, EPS, baseline="reinforce++")
+    torch.testing.assert_close(plus, (rewards - 0.5) / (math.sqrt(4 / 7) + EPS))
+    everyone = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 2, 5, 5, 5, 5])  # another process's group
+    spans = grpo_lm.group_advantages(rewards, GROUPS, EPS, "none", "reinforce++", everyone)
+    torch.testing.assert_close(spans, rewards - 24 / 12)
+    for baseline in ("rloo", "reinforce++"):  # a group of equal rewards: rloo 0, reinforce++ not
+        equal = grpo_lm.group_advantages(
+            torch.tensor([1.0] * 4 + [0.0] * 4), GROUPS, 0.0, None, baseline
+        )
+        assert (equal == 0).all() == (baseline == "rloo"), equal
 
 
 def process_example():
@@ -228,13 +253,32 @@ def test_process_advantages_hand_computed():
     )  # std of [1,1,0,0,1,0,0] = sqrt(2/7)
 
 
+def test_process_advantages_with_rloo_and_reinforce_plus_plus_hand_computed():
+    r, seq, end = process_example()
+    # RLOO: each step reward minus the mean of its group's other steps. Group 0 [1, 1, 0, 0]:
+    # +-2/3; group 1 [0 (completion 3), 1, 0 (completion 2)]: -1/2, 1, -1/2
+    rloo = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, baseline="rloo")
+    expected = [
+        [4 / 3, 4 / 3, 2 / 3, 2 / 3, 2 / 3],  # steps +2/3 ending at tokens 1 and 4
+        [-4 / 3, -4 / 3, -4 / 3, -2 / 3, 0],  # -2/3 at tokens 2 and 3
+        [1 / 2, -1 / 2, -1 / 2, 0, 0],  # +1 at token 0, -1/2 at token 2
+        [-1 / 2] * 5,  # -1/2 at token 4
+    ]
+    torch.testing.assert_close(rloo, torch.tensor(expected))
+    # REINFORCE++: the 7 steps' mean 3/7 and std sqrt(2/7), across groups: up u, down d
+    plus = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, baseline="reinforce++")
+    u, d = (torch.tensor([4 / 7, -3 / 7]) / (math.sqrt(2 / 7) + EPS)).tolist()
+    expected = [[2 * u, 2 * u, u, u, u], [2 * d, 2 * d, 2 * d, d, 0], [u + d, d, d, 0, 0], [d] * 5]
+    torch.testing.assert_close(plus, torch.tensor(expected))
+
+
 def test_process_advantages_with_only_final_answers_equal_outcome_advantages():
     g = torch.Generator().manual_seed(0)
     rewards, lengths = torch.rand(8, generator=g), torch.tensor([3, 5, 1, 4, 5, 2, 2, 5])
     adv = grpo_lm.process_advantages(
         rewards, torch.arange(8), lengths - 1, 8, 5, group_size=4, eps=EPS
     )
-    outcome = grpo_lm.group_advantages(rewards, 4, EPS)
+    outcome = grpo_lm.group_advantages(rewards, GROUPS, EPS)
     for i in range(
         8
     ):  # every token up to the answer carries the outcome advantage, nothing after it
@@ -319,7 +363,7 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     T = batch.completion_ids.shape[1]
     seen = {}
 
-    def process_advantages(rewards, seq, end, N, T, G, eps, scale, std):
+    def process_advantages(rewards, seq, end, N, T, G, *baselines):
         seen.update(rewards=rewards.tolist(), seq=seq.tolist(), end=end.tolist())
         return torch.zeros(N, T)
 
@@ -327,7 +371,8 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
         return grpo_lm.arithmetic_step_rewards(text) if text == texts[0] else [(999, 0.5)]
 
     monkeypatch.setattr(grpo_lm, "process_advantages", process_advantages)
-    args = SimpleNamespace(group_size=2, scale_rewards="group", adv_eps=EPS, prompts_per_step=1)
+    args = SimpleNamespace(group_size=2, scale_rewards=None, adv_eps=EPS, prompts_per_step=1)
+    args.advantage = "grpo"
     advantages = grpo_lm.process_supervision(batch, tok, steps, args, "cpu")
     assert advantages.shape == (2, T)
     assert seen == dict(  # the final answer: one more step with the outcome reward

@@ -10,10 +10,10 @@ step 1 with mu = 1 several losses are ~0, so the gradient is what tells them apa
 
 - with micro-batches of 1, of 2 and of the whole batch, for every ``--loss-type`` and advantage
   (outcome, ``--scale-rewards batch`` and ``none``, process supervision, GSPO's sequence ratio,
-  CISPO, the entropy bonus, ``--beta 0``'s skipped rows), in ``grpo_lm.py``; and with minibatches
-  split into micro-batches in ``ppo_lm.py``;
-- with 1 and 2 ``torchrun`` processes (gloo, CPU) for those cases but GSPO and dapo (which
-  ``test_distributed.py`` runs).
+  CISPO, the entropy bonus, ``--beta 0``'s skipped rows, ``--advantage rloo`` and ``reinforce++``),
+  in ``grpo_lm.py``; and with minibatches split into micro-batches in ``ppo_lm.py``;
+- with 1 and 2 ``torchrun`` processes (gloo, CPU) for those cases but GSPO, plain dapo (which
+  ``test_distributed.py`` runs) and rloo.
 
 ``--loss-type bnpo`` is not invariant by design: its token mean is over each micro-batch (TRL's
 "bnpo" over its local batch). What it depends on is pinned: with one micro-batch holding the whole
@@ -51,11 +51,14 @@ GRPO_CASES = {
     "gspo_mu2": dict(importance_sampling_level="sequence", mu=2),
     "process": dict(supervision="process"),
     "beta0": dict(beta=0.0),  # equal-reward groups left out of the update
+    "rloo": dict(advantage="rloo", loss_type="dr_grpo"),
+    "reinforce++_process": dict(advantage="reinforce++", supervision="process", loss_type="dapo"),
 }
 CLIP_GRADIENTS = common.clip_gradients  # the real one, under the spies below
 # under torchrun, what is counted over the processes: sequences, tokens, the batch std, the step
 # rewards of process supervision, skipped rows, the entropy's rows (test_distributed.py runs dapo)
 TORCHRUN_CASES = ("grpo", "dr_grpo", "batch_std", "cispo_mu2", "process", "beta0", "entropy")
+TORCHRUN_CASES += ("reinforce++_process",)  # the batch's mean of every process's step rewards
 ONE_STEP = dict(total_steps=1, group_size=4, eval_size=0, generation_groups_per_call=1, bf16=False)
 
 
