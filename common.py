@@ -230,11 +230,12 @@ class RunLog:
             tqdm.write(f"--- step {step} samples ---\n" + "\n".join(lines))
             self.writer.add_text("samples", "  \n".join(lines), step)
 
-    def evaluate(self, step: int, due: bool, accuracy) -> None:
-        """Rank 0, when ``due``: the held-out ``accuracy()``, logged and printed."""
+    def evaluate(self, step: int, due: bool, held_out) -> None:
+        """Rank 0, when ``due``: the held-out metrics ``held_out()``, logged and printed."""
         if self.is_main and due:
-            self(step, {"eval/accuracy": (value := accuracy())})
-            tqdm.write(f"step {step}: held-out greedy accuracy {value:.3f}")
+            self(step, metrics := held_out())
+            line = ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items())  # eval/ dropped
+            tqdm.write(f"step {step}: held-out {line}")
 
     def close(self) -> None:
         self.writer.close() if self.writer else None
@@ -328,8 +329,7 @@ def load_policy(name_or_path: str, device, lora: tuple | None, checkpointing: bo
     recomputed (in train mode). On a CPU a tied embedding's gradient is sparse (its rows only)."""
     policy = load_model(name_or_path, device=device).eval()
     policy = add_lora(policy, *lora) if lora else policy
-    kwargs = {"use_reentrant": False}
-    policy.activation_checkpointing_enable(kwargs) if checkpointing else None
+    policy.activation_checkpointing_enable({"use_reentrant": False}) if checkpointing else None
     embedding, head = policy.get_input_embeddings(), policy.get_output_embeddings()
     embedding.sparse = embedding.weight is head.weight and torch.device(device).type == "cpu"
     return policy
@@ -387,20 +387,15 @@ class WithoutAdapter:
 
 def trained_weights(policy) -> dict:
     """What a checkpoint keeps of the policy: every weight, or with LoRA the adapters."""
-    if hasattr(policy, "peft_config"):
-        from peft import get_peft_model_state_dict
-
-        return get_peft_model_state_dict(policy, save_embedding_layers=False)
-    return policy.state_dict()
+    lora = hasattr(policy, "peft_config")
+    return {key: value for key, value in policy.state_dict().items() if not lora or "lora_" in key}
 
 
 def load_trained_weights(policy, weights: dict) -> None:
-    """Load what :func:`trained_weights` kept (the frozen flags make the shapes agree)."""
-    if not hasattr(policy, "peft_config"):
-        return policy.load_state_dict(weights)
-    from peft import set_peft_model_state_dict
-
-    set_peft_model_state_dict(policy, weights)
+    """Load what :func:`trained_weights` kept, its keys exactly. UsageError: other keys."""
+    keys = set(weights) ^ set(trained_weights(policy))  # those only one side has
+    check(not keys, f"--resume: not this version's checkpoint ({min(keys, default='')})")
+    policy.load_state_dict(weights, strict=False)  # LoRA: the adapters alone
 
 
 def save_pretrained(model, tokenizer, out_dir: Path) -> None:
@@ -484,6 +479,8 @@ class DrawNextToken:
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
 
     def __call__(self, logits: torch.Tensor, going: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:  # greedy (the held-out accuracy)
+            return logits.argmax(-1)
         scores = logits.float() / self.temperature  # the last column of the CDF: 1 up to rounding
         cdf = (self.top_p(None, scores) if self.top_p else scores).log_softmax(-1).exp().cumsum(-1)
         diverged = "non-finite next-token probabilities while sampling: the weights have diverged"

@@ -101,7 +101,6 @@ class Args:
     mu: Annotated[int, Ge(1)] = 1  # policy updates per step (Algorithm 1's GRPO iterations)
     max_grad_norm: Annotated[float, Gt(0)] = 1.0  # global gradient-norm clipping
     weight_decay: Annotated[float, Ge(0)] = 0.0  # AdamW weight decay
-    adv_eps: Annotated[float, Gt(0)] = 1e-4  # added to the group std: equal rewards give 0, not NaN
 
     # --- DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL (§4.1.4) ---
 
@@ -133,8 +132,7 @@ class Args:
     # the baseline subtracted from each reward: its group's mean ('grpo', §4.1.2), the mean of the
     # group's other G-1 ('rloo', arXiv 2402.14740), the batch's mean ('reinforce++', 2501.03262)
     advantage: Literal["grpo", "rloo", "reinforce++"] = "grpo"
-    # divide centred rewards by the std of the 'group', of the 'batch', or 'none' (Dr. GRPO);
-    # default: the --advantage's own (grpo: group, rloo: none, reinforce++: batch)
+    # divide by the std of the 'group', the 'batch', or 'none' (Dr. GRPO); default: --advantage's
     scale_rewards: Literal["group", "batch", "none"] | None = None
     # upper clip eps_high of the ratio (DAPO clip-higher, e.g. 0.28); default: --clip-range
     clip_range_high: Annotated[float, Gt(0)] | None = None
@@ -151,8 +149,7 @@ class Args:
 
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
 
-    # rank R of the policy's LoRA adapters (0 = full fine-tuning); the reference is then the policy
-    # with its adapter disabled
+    # rank R of the policy's LoRA adapters (0 = full fine-tuning; the reference: adapters disabled)
     lora_rank: Annotated[int, Ge(0)] = 0
     # LoRA scale: the update of a weight is (alpha / R) * B A; default 2 x --lora-rank
     lora_alpha: Annotated[float, Gt(0)] | None = None
@@ -168,9 +165,11 @@ class Args:
     run_name: str | None = None
     # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 12
-    # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
+    # held-out questions for the accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy decoding call
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per decoding call
+    # responses a held-out question: 1 greedy; n > 1 sampled (--temperature, --top-p): pass@k, maj@n
+    eval_samples: Annotated[int, Ge(1)] = 1
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
     save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
     # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
@@ -230,13 +229,12 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
 
 def group_advantages(rewards, group, eps=1e-4, scale=None, baseline="grpo", batch=None):
     """Outcome supervision (§4.1.2): (S,) ``(r_i - mean(r)) / (std(r) + eps)`` of the (S,)
-    ``rewards`` over each one's group (``group``: (S,) long, its question's index; unbiased std),
-    for every token of o_i; a group of equal rewards gets 0. ``baseline`` (--advantage): the
-    group's mean (``"grpo"``), the mean of its other n-1, ``n/(n-1) (r_i - mean(r))`` (``"rloo"``,
-    arXiv 2402.14740), or the batch's (``"reinforce++"``, arXiv 2501.03262). ``scale``: the std of
-    the ``"group"``, of the ``"batch"`` (``batch``: every process's rewards, default ``rewards``)
-    or ``"none"`` (Dr. GRPO, arXiv 2503.20783 §3.1: the std up-weights questions too easy or too
-    hard); None: the baseline's own (grpo: group, rloo: none, reinforce++: batch)."""
+    ``rewards`` in each one's group (``group``: (S,) long; unbiased std), for every token of o_i.
+    --advantage ``baseline``: the group's mean (``"grpo"``; equal rewards get 0), the mean of its
+    other n-1, ``n/(n-1) (r_i - mean(r))`` (``"rloo"``, arXiv 2402.14740) or the batch's
+    (``"reinforce++"``, arXiv 2501.03262). ``scale``: the std of the ``"group"``, the ``"batch"``
+    (``batch``: every process's rewards, default ``rewards``) or ``"none"`` (Dr. GRPO, 2503.20783
+    §3.1); None: the baseline's own (grpo: group, rloo: none, reinforce++: batch)."""
     scale = scale or dict(grpo="group", rloo="none", **{"reinforce++": "batch"})[baseline]
     batch = rewards if batch is None else batch
     n = torch.bincount(group)[group].to(rewards.dtype)  # the size of each one's group
@@ -395,7 +393,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
 
     options = (tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size, style)
-    held_out = lambda pi: tasks.greedy_accuracy(pi, *options, args.bf16)  # noqa: E731
+    sampling = (args.eval_samples, args.temperature, args.top_p, args.seed)  # --eval-samples
+    held_out = lambda pi: tasks.held_out_accuracy(pi, *options, args.bf16, sampling)  # noqa: E731
 
     # Algorithm 1's input: the initial policy pi_theta, the reference pi_ref (a frozen copy of it,
     # §4.1.1; none with beta = 0) and the reward: the task's reward function or a reward model r_phi
@@ -413,10 +412,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     log_args = (rank, start_step, checkpoint is not None, "grpo", bar, args.track)
     log = common.RunLog(run_dir, dataclasses.asdict(args), *log_args)
     sampler = Sampler(policy, tokenizer, questions, task, reward_model, rank, world)
-    if checkpoint is not None:
-        common.rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
-    else:
-        log.evaluate(0, args.eval_size > 0, lambda: held_out(policy)[0])  # accuracy at the start
+    log.evaluate(0, args.eval_size > 0 and not checkpoint, lambda: held_out(policy)[0])  # start
+    common.rng_state(checkpoint["rng"]) if checkpoint else None  # last: loading must not shift it
 
     G, B = args.group_size, args.prompts_per_step // world  # B questions per process
     N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, all processes' outputs
@@ -438,26 +435,24 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         batch = sample_and_score(sampler, args, device, step)  # Batch: o_i and r_i (reward())
         if args.dynamic_sampling:  # DAPO §3.2: only groups whose rewards differ
             batch = dynamic_sampling(batch, sampler, args, device, step)
-        lengths = batch.completion_mask.sum(1).cpu()  # DAPO §3.4 (0 with --overlong-buffer 0):
-        penalty = overlong_penalty(lengths, args.max_new_tokens, args.overlong_buffer)
+        # DAPO §3.4, soft overlong punishment (0 with --overlong-buffer 0):
+        penalty = overlong_penalty(batch.completion_mask, args.max_new_tokens, args.overlong_buffer)
         batch.rewards = batch.rewards + penalty  # a new tensor: batch.verifiable stays the task's
         rewards = common.all_gather(batch.rewards)  # (N_all,) every process's r_i, group order
-        if rm_training:  # Algorithm 1 / §4.1.4: samples for the reward model
-            rm_training.add(batch)
+        rm_training.add(batch) if rm_training else None  # Algorithm 1 / §4.1.4: the RM's samples
         gen_time = time.time() - t0
 
         # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, every t (§4.1.2) ----
-        baselines = (args.adv_eps, args.scale_rewards, args.advantage)  # --advantage: the baseline
-        advantages = group_advantages(rewards, torch.arange(N_all) // G, *baselines)  # groups of G
+        baselines = dict(scale=args.scale_rewards, baseline=args.advantage)  # --advantage
+        advantages = group_advantages(rewards, torch.arange(N_all) // G, **baselines)  # groups of G
         advantages = advantages[rank * N : rank * N + N].to(device)  # this process's groups
         if args.supervision == "process":  # §4.1.3: sums of the normalised step rewards from t on
             steps = step_reward_fn or arithmetic_step_rewards
             advantages = process_supervision(batch, tokenizer, steps, args, device)
 
         # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
-        loss_mask = batch.completion_mask  # DAPO §3.4 overlong filtering: none of a truncated one
-        if args.mask_truncated_completions:
-            loss_mask = loss_mask * ~batch.truncated[:, None]
+        keep = ~batch.truncated[:, None] if args.mask_truncated_completions else 1.0  # DAPO §3.4:
+        loss_mask = batch.completion_mask * keep  # overlong filtering, none of a truncated one
         other_weights = beta + args.entropy_coef  # of every term but A's: KL, entropy (each >= 0)
         rows = rows_with_a_gradient(advantages, loss_mask, other_weights, args.loss_type, G)
         micro_batches = list(plan_micro_batches(batch, args.micro_batch_size, G, device, rows))
@@ -596,8 +591,8 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn, args: Args, dev
         rows += [i] * (len(steps) + 1)
     G, batch_rewards = args.group_size, torch.tensor(common.all_gather_objects(rewards))
     steps = torch.tensor(rewards), torch.tensor(rows), torch.tensor(ends)
-    baselines = args.adv_eps, args.scale_rewards, args.advantage, batch_rewards  # every process's
-    advantages = process_advantages(*steps, N, T, G, *baselines)
+    baselines = dict(scale=args.scale_rewards, baseline=args.advantage, batch=batch_rewards)
+    advantages = process_advantages(*steps, N, T, G, **baselines)  # every process's step rewards
     checked = [len(rewards) - N, sum(rewards) - batch.rewards.sum().item()]  # not final answers
     checked, step_sum = common.all_reduce(torch.tensor(checked, dtype=torch.float64)).tolist()
     batch.scalars["process/steps_per_completion"] = checked / (args.prompts_per_step * G)
@@ -605,18 +600,14 @@ def process_supervision(batch: Batch, tokenizer, step_reward_fn, args: Args, dev
     return advantages.to(device)
 
 
-def process_advantages(rewards, seq, end, num_sequences, num_tokens, group_size, eps=1e-4,
-                       scale=None, baseline="grpo", batch=None) -> torch.Tensor:  # fmt: skip
-    """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``).
-
-    The (S,) float ``rewards`` of every step of the G outputs of a question, each step j in
-    completion ``seq[j]`` ending at its token ``end[j]`` (``seq``, ``end``: (S,) long tensors in
-    [0, B * G) and [0, T)), are normalised together, ``r~_j = (r_j - mean) / (std + eps)`` (unbiased
-    std; ``scale``, ``baseline`` and ``batch``, every process's step rewards, as in
-    :func:`group_advantages`); then ``A_i,t`` = the sum of r~_j over the steps of output i that
-    end at or after t (0 after the last step). The caller makes the final answer one more step
-    with the outcome reward, so every completion has a step."""
-    normalised = group_advantages(rewards, seq // group_size, eps, scale, baseline, batch)
+def process_advantages(rewards, seq, end, num_sequences, num_tokens, group_size, **baselines):
+    """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``): the (S,)
+    float ``rewards`` of every step of the G outputs of a question, step j in completion ``seq[j]``
+    ending at its token ``end[j]`` ((S,) long), normalised together by :func:`group_advantages`
+    (``baselines``: its keywords; ``batch``: every process's step rewards), ``r~_j = (r_j - mean) /
+    (std + eps)``; then ``A_i,t`` = the sum of r~_j over the steps of output i that end at or after
+    t (0 after the last). The caller makes the final answer a step with the outcome reward."""
+    normalised = group_advantages(rewards, seq // group_size, **baselines)
     at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
     at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
@@ -629,10 +620,9 @@ def _arithmetic(node: ast.AST) -> float:
     """The value of an ast of number literals, ``+ - * /`` and unary minus; ValueError else."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return float(node.value)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_arithmetic(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_arithmetic(node.left), _arithmetic(node.right))
+    if isinstance(node, ast.UnaryOp | ast.BinOp) and type(node.op) in _OPS:  # -x, x op y
+        operands = [node.operand] if isinstance(node, ast.UnaryOp) else [node.left, node.right]
+        return _OPS[type(node.op)](*map(_arithmetic, operands))
     raise ValueError("not arithmetic")
 
 
@@ -661,10 +651,9 @@ def arithmetic_step_rewards(completion: str, example=None) -> list[tuple[int, fl
 
 
 def make_reward_model(args: Args, tokenizer, device):
-    """(r_phi, its :class:`RewardModelTraining` with --train-reward-model, else False), r_phi None
-    when unused: --reward-model-path's model (frozen unless trained), or with --train-reward-model
-    alone the policy's backbone with a new score head (Algorithm 1, §4.1.4); None: the task's
-    reward."""
+    """(r_phi, its :class:`RewardModelTraining` with --train-reward-model, else False): the model of
+    --reward-model-path (frozen unless trained), or with --train-reward-model alone the policy's
+    backbone with a new score head (Algorithm 1, §4.1.4); None: the task's reward scores."""
     model = None
     if args.reward_model_path:
         model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval()
@@ -678,9 +667,8 @@ def make_reward_model(args: Args, tokenizer, device):
 class RewardModelTraining:
     """Algorithm 1, line 12 (§4.1.4): r_phi trained continually, by MSE regression of its score on
     the verifiable reward, after each iteration's last step, on the iteration's samples and a replay
-    of earlier ones (--rm-replay-ratio of each training set). ``add(batch)`` keeps a step's samples
-    from every process, so that each trains the same model; ``train`` returns the logged scalars;
-    --rm-eval-fraction of the new samples is held out to measure it, never trained on."""
+    of earlier ones (--rm-replay-ratio of each set). ``add(batch)`` keeps every process's samples
+    (each trains the same model); --rm-eval-fraction of new ones is held out (never trained on)."""
 
     def __init__(self, model, tokenizer, args: Args, device):
         self.model, self.pad, self.args, self.device = model, tokenizer.pad_token_id, args, device
@@ -709,7 +697,6 @@ class RewardModelTraining:
         split = int(len(shuffled) * args.rm_eval_fraction)
         held_out, fresh = shuffled[:split], shuffled[split:]
         data = replay_mix(fresh, self.replay, args.rm_replay_ratio, rng)
-        before = self.accuracy(held_out)[0] if held_out else None
         for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
             order = rng.permutation(len(data))
             for i in range(0, len(data), size):
@@ -718,10 +705,8 @@ class RewardModelTraining:
                 loss.backward()
                 self.optimizer.step()
         self.replay, self.new = self.replay + fresh, []
-        scalars = dict(train_mse=loss.item(), train_size=len(data))
-        scalars["replay_fraction"] = 1 - len(fresh) / len(data)
+        scalars = dict(train_mse=loss.item(), train_size=len(data), replayed=len(data) - len(fresh))
         if held_out:
-            scalars["heldout_accuracy_before"] = before
             scalars["heldout_accuracy"], scalars["heldout_mse"] = self.accuracy(held_out)
         return {f"reward_model/{key}": value for key, value in scalars.items()}
 
@@ -754,7 +739,7 @@ def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator)
 
 # ----------------------------------------------------------------------------------------------
 # Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping;
-# Dr. GRPO, clip-higher, GSPO and CISPO are options of group_advantages and grpo_loss (variants).
+# Dr. GRPO, RLOO, REINFORCE++, clip-higher, GSPO, CISPO: options of group_advantages, grpo_loss.
 # ----------------------------------------------------------------------------------------------
 def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
     """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep the groups whose rewards differ, and
@@ -800,11 +785,11 @@ def merge_groups(batches: list[Batch], chosen: list, G: int, pad: int) -> Batch:
     return Batch(*prompts, *completions, *map(cat, fields), reward_fns=fns)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
+def overlong_penalty(mask: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
     """DAPO soft overlong punishment (arXiv 2503.14476, §3.4), added to the reward: (N,) in [-1, 0]
-    from the (N,) lengths |o| (EOS included): 0 for ``|o| <= L_max - L_cache``, then ``((L_max -
+    from the lengths |o| of the (N, T) ``mask``: 0 for ``|o| <= L_max - L_cache``, then ``((L_max -
     L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``, 0 = off)."""
-    return (((max_length - buffer) - lengths.float()) / max(buffer, 1)).clamp(-1.0, 0.0)
+    return (((max_length - buffer) - mask.float().sum(1).cpu()) / max(buffer, 1)).clamp(-1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -817,8 +802,7 @@ def rows_with_a_gradient(advantages, loss_mask, other_weights: float, loss_type:
     per-micro-batch mean counts it). If none is left, the first group stays: AdamW steps on 0s."""
     nonzero = (advantages != 0).reshape(len(advantages), -1).any(1)
     keep = (loss_mask.sum(1) > 0) & (nonzero | (other_weights > 0)) | (loss_type == "bnpo")
-    if not keep.any():
-        keep[:G] = True
+    keep[:G] |= not keep.any()  # none left: the first group
     return keep.nonzero().squeeze(1)
 
 
@@ -828,8 +812,7 @@ def plan_micro_batches(batch: Batch, size: int, G: int, device, rows: torch.Tens
     ``size`` is a multiple of G: a prompt goes through the model once per micro-batch that holds
     its completions), each trimmed to its longest prompt and completion. The loss is a sum over
     sequences, so the order only saves compute (except --loss-type bnpo's per-micro-batch mean)."""
-    mask, completion_ids = batch.completion_mask, batch.completion_ids
-    lengths = mask.sum(1)
+    mask, lengths = batch.completion_mask, batch.completion_mask.sum(1)
     lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
     order = sorted(rows.tolist(), key=lambda i: (-group_lens[i // G], i // G, -lens[i]))
     for idx in torch.tensor(order, device=device).split(size):
@@ -838,7 +821,7 @@ def plan_micro_batches(batch: Batch, size: int, G: int, device, rows: torch.Tens
         first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
         t = int(lengths[idx].max())
         prompts = prompt_ids[:, first:], prompt_mask[:, first:], prompt_index
-        yield idx, t, MicroBatch(*prompts, completion_ids[idx, :t], mask[idx, :t].long())
+        yield idx, t, MicroBatch(*prompts, batch.completion_ids[idx, :t], mask[idx, :t].long())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -869,6 +852,8 @@ def validate(args: Args) -> None:
     untrained = "--train-reward-model without --reward-model-path needs --iterations >= 2"
     check(not args.train_reward_model or rm_path or iterations >= 2, untrained)
     lora = "--lora-rank needs --iterations 1: the reference (the policy's adapter off) never resets"
+    mixed = "--scale-rewards group: not with --advantage reinforce++ (its batch-centred rewards)"
+    check(args.advantage != "reinforce++" or args.scale_rewards != "group", mixed)
     check(not args.lora_rank or iterations == 1, lora)
 
 
@@ -901,10 +886,10 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
 
 
 def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm, t0, gen_time):
-    """A step's logged scalars over the global batch (every process's sums and per-sequence values)
-    from ``loss_stats`` (:func:`grpo_loss`'s of every micro-batch, with its ``loss`` and masked
-    ``entropy`` sum) and ``batch.scalars``. ``loss/policy``: the minimised -J of eq. 3 (KL, entropy
-    bonus in), other ``loss/*`` over :func:`rows_with_a_gradient`; time/generation_s: steps 1, 2."""
+    """A step's logged scalars over the global batch from ``loss_stats`` (:func:`grpo_loss`'s of
+    every micro-batch, with its ``loss`` and masked ``entropy`` sum) and ``batch.scalars``:
+    ``loss/policy`` the minimised -J of eq. 3 (KL, entropy bonus in), other ``loss/*`` over
+    :func:`rows_with_a_gradient`'s rows."""
     keys = ("loss", "kl", "clipped_high", "clipped_low", "tokens", "entropy")  # micro-batches, mu
     sums = torch.tensor([sum(stats[key].item() for stats in loss_stats) for key in keys])
     loss, kl, high, low, tokens, entropy = common.all_reduce(sums).tolist()

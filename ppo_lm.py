@@ -142,9 +142,11 @@ class Args:
     run_name: str | None = None
     # greedy held-out accuracy every N steps, and at the start and end (0: only there)
     eval_every: Annotated[int, Ge(0)] = 10
-    # held-out questions for greedy accuracy (0 = no evaluation, nothing held out)
+    # held-out questions for the accuracy (0 = no evaluation, nothing held out)
     eval_size: Annotated[int, Ge(0)] = 128
-    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per greedy decoding call
+    eval_batch_size: Annotated[int, Ge(1)] = 64  # questions per decoding call
+    # responses a held-out question: 1 greedy; n > 1 sampled (--temperature, --top-p): pass@k, maj@n
+    eval_samples: Annotated[int, Ge(1)] = 1
     sample_every: Annotated[int, Ge(0)] = 5  # print and log samples every N steps (0 = never)
     save_every: Annotated[int, Ge(0)] = 10  # checkpoint every N steps and at the end (0 = end only)
     # checkpoint.pt to continue from: its run's flags are the defaults, flags given again override
@@ -329,7 +331,7 @@ def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, clip
         stats |= dict(
             tokens=mask.sum(), clipped=(clipped.float() * mask).sum(), approx_kl=approx_kl
         )
-        stats |= dict(value_clipped=value_clipped, ratio_min=ratios.min(), ratio_max=ratios.max())
+        stats |= dict(value_clipped=value_clipped, ratio_max=ratios.max())
     return loss, stats
 
 
@@ -368,7 +370,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
 
     options = (tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size, style)
-    held_out = lambda model: tasks.greedy_accuracy(model, *options, args.bf16)  # noqa: E731
+    sampling = (args.eval_samples, args.temperature, args.top_p, args.seed)  # --eval-samples
+    held_out = lambda pi: tasks.held_out_accuracy(pi, *options, args.bf16, sampling)  # noqa: E731
 
     # The four models, dropout off: the policy pi_theta, a reference pi_ref (a frozen copy of the
     # initial policy; none with beta = 0), the reward (a frozen reward model, or the task's
@@ -395,10 +398,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     log_args = (rank, start_step, checkpoint is not None, "ppo", bar, args.track)
     log = common.RunLog(run_dir, dataclasses.asdict(args), *log_args)
     sampler = Sampler(policy, tokenizer, questions, rank, world)
-    if checkpoint is not None:
-        common.rng_state(checkpoint["rng"])  # last: loading the models must not shift the RNG
-    else:
-        log.evaluate(0, args.eval_size > 0, lambda: held_out(policy)[0])  # accuracy at the start
+    log.evaluate(0, args.eval_size > 0 and not checkpoint, lambda: held_out(policy)[0])  # start
+    common.rng_state(checkpoint["rng"]) if checkpoint else None  # last: loading must not shift it
 
     # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
@@ -669,7 +670,6 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
     )
     sums = torch.tensor([sum(float(s[k]) for s in loss_stats) for k in SUMMED])
     totals = dict(zip(SUMMED, common.all_reduce(sums).tolist(), strict=True))
-    ratio_min = torch.tensor(min(float(s["ratio_min"]) for s in loss_stats))
     ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in loss_stats))
     tokens, now = max(totals["tokens"], 1), time.time()
     norms = [sum(float(n[k]) for n in grad_norms) / len(grad_norms) for k in (0, 1)]
@@ -687,7 +687,6 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
         "loss/value_clip_fraction": totals["value_clipped"] / tokens,
         "loss/approx_kl": totals["approx_kl"] / tokens,
         "loss/entropy": totals["entropy"] / tokens,
-        "loss/ratio_min": common.all_reduce(ratio_min, "min").item(),
         "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
         "kl/sequence_mean": kl_sum / args.prompts_per_step,
         "kl/beta": beta,
@@ -695,12 +694,10 @@ def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_
         "completion/frac_truncated": truncated.float().mean().item(),
         "optim/grad_norm": norms[0],
         "optim/value_grad_norm": norms[1],
-        "optim/learning_rate": args.learning_rate,
         "time/generation_s": gen_time,
         "time/training_s": now - t0 - gen_time,
         "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs,
         "time/step_s": now - t0,
-        "time/tokens_per_s": lengths.sum().item() / (now - t0),
         **common.peak_memory_gb(kl.device),
         **common.reward_fn_means(batch.reward_fns),
     }

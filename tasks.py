@@ -11,13 +11,14 @@ import re
 import runpy
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import comb
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import common
-from common import UsageError, bf16_autocast, check, decode, pad_left, resolve_model_path
+from common import UsageError, bf16_autocast, check, resolve_model_path
 
 RewardFn = Callable[[str, dict], float]
 SPLIT_SEED = 1234  # fixes each task's held-out split
@@ -309,35 +310,52 @@ def training_questions(task, tokenizer, style, max_length, minimum, max_new_toke
 
 
 def eval_only(policy, checkpoint: dict | None, held_out, out: Path) -> dict:
-    """--eval-only: ``held_out(policy)`` = (accuracy, completions) of the ``checkpoint`` or
+    """--eval-only: ``held_out(policy)`` = (metrics, completions) of the ``checkpoint`` or
     ``policy``, printed, and as JSON in ``out`` (``eval_step{N}.json`` for a checkpoint)."""
     if checkpoint is not None:  # its model is --model-name-or-path: the weights fit
         out = out.with_name(f"eval_step{checkpoint['step']}.json")
         common.load_trained_weights(policy, checkpoint["policy"])
-    accuracy, completions = held_out(policy)
-    report = dict(accuracy=accuracy, questions=len(completions), first=completions[:5])
+    metrics, completions = held_out(policy)
+    report = {k.removeprefix("eval/"): v for k, v in metrics.items()} | dict(first=completions[:5])
+    report |= dict(questions=len(completions), checkpoint=checkpoint and checkpoint["step"])
     out.parent.mkdir(parents=True, exist_ok=True)  # a new run directory
-    out.write_text(json.dumps(report | dict(checkpoint=checkpoint and checkpoint["step"])))
-    print(f"held-out greedy accuracy {accuracy:.3f} of {len(completions)}; written to {out}")
-    return {"eval/accuracy": [accuracy]}
+    out.write_text(json.dumps(report))
+    print(f"held-out {', '.join(f'{k[5:]} {v:.3f}' for k, v in metrics.items())}; written to {out}")
+    return {key: [value] for key, value in metrics.items()}
 
 
-@torch.no_grad()
-def greedy_accuracy(policy, tokenizer, task, size, max_new_tokens, batch_size, style, bf16):
-    """(fraction of the first ``size`` held-out questions of ``task`` that its ``correct_fn`` finds
-    right, responses: prefix + completion) by greedy decoding of :func:`build_prompt`'s prompts in
-    the ``style`` (system prompt, response prefix), under --bf16 autocast (``bf16``). UsageError:
-    as :func:`score_correct`."""
-    limits = (max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    greedy = lambda logits, rows: logits.argmax(-1)  # noqa: E731
-    examples, what, correct, outputs = task.test[:size], f"correct_fn of task {task.name!r}", 0, []
+def held_out_accuracy(policy, tokenizer, task, size, max_new_tokens, batch_size, style, bf16,
+                      sampling=(1, 1.0, 1.0, 0)):  # fmt: skip
+    """(:func:`sample_metrics`, each question's responses) of the first ``size`` held-out questions:
+    prompts in the ``style`` (system prompt, response prefix) answered greedily, or with
+    ``sampling`` = (n > 1, T, top_p, seed) n times, seeded per call of ``batch_size``; each
+    response (prefix + completion) scored by ``task.correct_fn``. UsageError: as score_correct."""
+    n, temperature, top_p, seed = sampling  # temperature 0: greedy; seeds apart from training's
+    options, keys = (temperature if n > 1 else 0.0, top_p, max_new_tokens, bf16), (seed, 2**31)
+    examples, what, scores, answers = task.test[:size], f"correct_fn of task {task.name!r}", [], []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
-        questions = [ex["question"] for ex in batch]
-        ids, att = pad_left(prompt_ids(tokenizer, questions, *style), limits[2], policy.device)
-        with bf16_autocast(policy.device, bf16):
-            new = decode(policy, ids, att, *limits, greedy)
-        texts = [style[1] + c for c in tokenizer.batch_decode(new, skip_special_tokens=True)]
-        correct += sum(_checked_scores(task.correct_fn, what, texts, batch, start, unit=True))
-        outputs += texts
-    return correct / len(examples), outputs
+        prompts = prompt_ids(tokenizer, [ex["question"] for ex in batch], *style)
+        new = common.generate_completions(policy, prompts, n, tokenizer, options, (keys, start))
+        new = [style[1] + c for c in tokenizer.batch_decode(new, skip_special_tokens=True)]
+        each = [ex for ex in batch for _ in range(n)]
+        scores += _checked_scores(task.correct_fn, what, new, each, start * n, unit=True)
+        answers += [new[i : i + n] for i in range(0, len(new), n)]  # question by question
+    return sample_metrics(torch.tensor(scores).view(-1, n), answers), answers
+
+
+def sample_metrics(scores: torch.Tensor, answers: list[list[str]]) -> dict[str, float]:
+    """Metrics of n responses ``answers`` to each of Q questions, (Q, n) correct_fn ``scores`` in
+    [0, 1] (right: 1): ``eval/accuracy`` (pass@1: the mean score; greedy if n = 1); for n > 1 the
+    unbiased ``eval/pass@k`` (Chen et al. 2021, arXiv 2107.03374, eq. 1: ``1 - C(n - c, k) / C(n,
+    k)``, c right responses, averaged over questions) for k = 2, 4, 8, ... < n and k = n, and
+    ``eval/maj@n``: the score of the first response whose final answer (its last number, else its
+    text) the most give; meaningful where the last number is the answer."""
+    n, metrics = scores.shape[1], {"eval/accuracy": scores.mean().item()}
+    right = (scores == 1).sum(1).tolist()  # c of each question
+    for k in [2**j for j in range(1, (n - 1).bit_length())] + [n] * (n > 1):  # none if n = 1
+        metrics[f"eval/pass@{k}"] = sum(1 - comb(n - c, k) / comb(n, k) for c in right) / len(right)
+    votes = [[x if (x := extract_final_number(t)) is not None else t for t in a] for a in answers]
+    top = [max(range(n), key=lambda i, v=v: v.count(v[i])) for v in votes]  # the first of the most
+    majority = scores[torch.arange(len(top)), top].mean().item()
+    return metrics | ({f"eval/maj@{n}": majority} if n > 1 else {})

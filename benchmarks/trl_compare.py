@@ -293,7 +293,7 @@ def run_loss(a: argparse.Namespace) -> None:
         rewards = torch.tensor(seen[-1])
         adv_trl_s = trl_batch["advantages"].float().cpu()
         adv_ours_s = grpo_lm.group_advantages(
-            rewards, G, eps=1e-4, **({"scale": scale} if scale != "group" else {})
+            rewards, torch.arange(len(rewards)) // G, eps=1e-4, scale=scale
         )
         adv_cases.append(
             {
@@ -1274,7 +1274,7 @@ def render_results() -> None:
             else:
                 arg = "" if c["scale"] == "group" else f', scale="{c["scale"]}"'
                 lines.append(
-                    f'| "{c["scale"]}" | `group_advantages(rewards, G, eps=1e-4{arg})` | '
+                    f'| "{c["scale"]}" | `group_advantages(rewards, groups, eps=1e-4{arg})` | '
                     f"{c['max_abs_diff']:.1e} |"
                 )
         lines += [
@@ -1308,8 +1308,8 @@ def render_results() -> None:
             '(Bessel, n - 1) std (of the group, or of the batch with "batch"), so a group with '
             "equal rewards gets 0 in both. TRL's mean/std are NaN-aware (a reward function may "
             "return None for a completion; that completion is left out of the baseline and gets "
-            "advantage 0); grpo_lm has no such case. TRL's 1e-4 is hard-coded; grpo_lm's is "
-            "`--adv-eps` (default 1e-4).",
+            "advantage 0); grpo_lm has no such case. TRL's 1e-4 is hard-coded, and so is "
+            "grpo_lm's (`--adv-eps` until 2026-11-27).",
             "- Positions: TRL's log-prob forward passes no `position_ids` (the model's defaults "
             "apply); grpo_lm passes positions that count real tokens only, as generation does. "
             "With RoPE only position differences matter, so the log probs agree to float rounding "

@@ -177,6 +177,7 @@ REMOVED = (  # flags of earlier versions (issue 39): an old command line is one 
     ["--wandb-project-name", "p"],
     ["--wandb-entity", "e"],
     ["--exp-name", "x"],
+    ["--adv-eps", "1e-4"],  # 2026-11-27: fixed at 1e-4 (TRL's)
     ["--torch-threads", "1"],
     ["--lora-dropout", "0.05"],
 )
@@ -208,6 +209,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--max-new-tokens", "0"], "--max-new-tokens: must be greater than or equal to 1", CHEAP),
     (["--micro-batch-size", "0"], "--micro-batch-size: must be greater than or equal to 1", CHEAP),
     (["--eval-size", "-1"], "--eval-size: must be greater than or equal to 0", CHEAP),
+    (["--eval-samples", "0"], "--eval-samples: must be greater than or equal to 1", CHEAP),
     (
         ["--task", "nope"],
         "invalid choice 'nope' for argument '--task'. Expected one of ('addition', 'multistep')",
@@ -411,8 +413,11 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
 
 GRPO = [
     (["--group-size", "1"], "--group-size: must be greater than or equal to 2", CHEAP),
-    (["--adv-eps", "0"], "--adv-eps: must be greater than 0", CHEAP),
-    (["--adv-eps", "nan"], "--adv-eps: must be a finite number", CHEAP),
+    (
+        ["--advantage", "reinforce++", "--scale-rewards", "group"],
+        "--scale-rewards group: not with --advantage reinforce++ (its batch-centred rewards)",
+        CHEAP,
+    ),
     (["--loss-type", "ppo"], "invalid choice 'ppo' for argument '--loss-type'", CHEAP),
     (["--scale-rewards", "std"], "invalid choice 'std' for argument '--scale-rewards'", CHEAP),
     (["--advantage", "ppo"], "invalid choice 'ppo' for argument '--advantage'", CHEAP),

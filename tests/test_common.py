@@ -278,15 +278,21 @@ def test_a_resumed_run_log_purges_the_steps_a_killed_run_logged_after_its_checkp
 
 def test_run_log_history_samples_and_evaluations(tmp_path, capsys):
     log = run_log(tmp_path, _Args())
-    log.evaluate(0, True, lambda: 0.25)
+    log.evaluate(0, True, lambda: {"eval/accuracy": 0.25, "eval/pass@2": 0.5})
     log.evaluate(1, False, lambda: 1 / 0)  # not due: not called
     log(1, {"reward/mean": torch.tensor(0.5), "loss": 2})
     log.samples(1, ["a", "b"], every=2)  # not due
     log.samples(2, ["a", "b"], every=2)
     log.close()
-    assert log.history == {"eval/accuracy": [0.25], "reward/mean": [0.5], "loss": [2.0]}
+    assert log.history == {
+        "eval/accuracy": [0.25],
+        "eval/pass@2": [0.5],
+        "reward/mean": [0.5],
+        "loss": [2.0],
+    }
     out = capsys.readouterr().out
-    assert "step 0: held-out greedy accuracy 0.250" in out and "--- step 2 samples ---\na\nb" in out
+    assert "step 0: held-out accuracy 0.250, pass@2 0.500" in out
+    assert "--- step 2 samples ---\na\nb" in out
     assert "--- step 1 samples" not in out
     assert tb_scalars(tmp_path)["eval/accuracy"] == [(0, 0.25)]
     other = common.RunLog(tmp_path / "rank1", {}, 1, 0, False, "test", {})  # rank 1: no files

@@ -159,13 +159,13 @@ def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(
     import tasks
 
     scored = []  # the weights of each model whose held-out accuracy was measured
-    greedy = tasks.greedy_accuracy
+    greedy = tasks.held_out_accuracy
 
     def spy(policy, *args):
         scored.append(torch.cat([p.detach().cpu().flatten() for p in policy.parameters()]))
         return greedy(policy, *args)
 
-    monkeypatch.setattr(tasks, "greedy_accuracy", spy)
+    monkeypatch.setattr(tasks, "held_out_accuracy", spy)
 
     task = digit_task()
     task.correct_fn = lambda completion, example: (

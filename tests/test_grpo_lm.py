@@ -2,6 +2,7 @@
 errors."""
 
 import dataclasses
+import itertools
 import json
 import math
 import subprocess
@@ -820,6 +821,47 @@ def test_track_without_wandb_is_one_line(monkeypatch):
         common.UsageError, match="--track: wandb is not installed; run `pip install wandb`"
     ):
         grpo_lm.validate(grpo_lm.Args(track=True))
+
+
+def test_eval_samples_report_pass_at_k_and_maj_at_n_of_the_responses_they_report(
+    tiny_model_dir, tmp_path
+):
+    # --eval-samples 4 on 5 held-out questions: the report lists every response, and its metrics
+    # are recomputed here from them: pass@k as the share of k-subsets with a right response
+    task = digit_task()
+    task.correct_fn = lambda completion, example: sum(c.isdigit() for c in completion) % 2 == 0
+    kw = dict(eval_only=True, eval_size=5, eval_samples=4)
+    history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, **kw), task=task)
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["questions"] == 5 and [len(r) for r in report["first"]] == [4] * 5
+    right = [[task.correct_fn(text, None) for text in texts] for texts in report["first"]]
+
+    def pass_at(k):  # over the questions, the share of the k-subsets that hold a right response
+        shares = [
+            sum(any(r[i] for i in s) for s in itertools.combinations(range(4), k)) / math.comb(4, k)
+            for r in right
+        ]
+        return sum(shares) / len(shares)
+
+    number = tasks.extract_final_number  # a vote: the last number, else the text
+    votes = [[t if number(t) is None else number(t) for t in ts] for ts in report["first"]]
+    top = [max(range(4), key=lambda i, v=v: v.count(v[i])) for v in votes]  # the first of the most
+    majority = [r[i] for r, i in zip(right, top, strict=True)]
+    expected = dict(accuracy=sum(map(sum, right)) / 20, maj=sum(majority) / 5)
+    assert 0 < expected["accuracy"] < 1  # some responses right, some wrong
+    assert report["accuracy"] == pytest.approx(expected["accuracy"])
+    assert report["pass@2"] == pytest.approx(pass_at(2))
+    assert report["pass@4"] == pytest.approx(pass_at(4))
+    assert report["maj@4"] == pytest.approx(expected["maj"])
+    assert history == {f"eval/{k}": [report[k]] for k in ("accuracy", "pass@2", "pass@4", "maj@4")}
+    kw |= dict(run_name="again")
+    grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, **kw), task=task)  # seeded: the same samples
+    assert json.loads((tmp_path / "again" / "eval.json").read_text()) == report
+    trained = grpo_lm.main(
+        tiny_args(tiny_model_dir, tmp_path, total_steps=1, eval_samples=2, run_name="train"),
+        task=task,
+    )  # logged at every evaluation (steps 0 and 1)
+    assert all(len(trained[f"eval/{k}"]) == 2 for k in ("accuracy", "pass@2", "maj@2"))
 
 
 def test_eval_only_scores_a_checkpoint_and_a_final_model(tiny_model_dir, tmp_path):

@@ -244,10 +244,10 @@ def test_process_advantages_hand_computed():
         ]
     )
     torch.testing.assert_close(adv, expected)
-    none = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, scale="none")
+    none = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, scale="none")
     torch.testing.assert_close(none[0], torch.tensor([1.0, 1, 0.5, 0.5, 0.5]))
     torch.testing.assert_close(none[2], torch.tensor([1 / 3, -1 / 3, -1 / 3, 0, 0]))
-    batch = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, scale="batch")
+    batch = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, scale="batch")
     torch.testing.assert_close(
         batch, none / (math.sqrt(2 / 7) + EPS)
     )  # std of [1,1,0,0,1,0,0] = sqrt(2/7)
@@ -257,7 +257,7 @@ def test_process_advantages_with_rloo_and_reinforce_plus_plus_hand_computed():
     r, seq, end = process_example()
     # RLOO: each step reward minus the mean of its group's other steps. Group 0 [1, 1, 0, 0]:
     # +-2/3; group 1 [0 (completion 3), 1, 0 (completion 2)]: -1/2, 1, -1/2
-    rloo = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, baseline="rloo")
+    rloo = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, baseline="rloo")
     expected = [
         [4 / 3, 4 / 3, 2 / 3, 2 / 3, 2 / 3],  # steps +2/3 ending at tokens 1 and 4
         [-4 / 3, -4 / 3, -4 / 3, -2 / 3, 0],  # -2/3 at tokens 2 and 3
@@ -266,7 +266,7 @@ def test_process_advantages_with_rloo_and_reinforce_plus_plus_hand_computed():
     ]
     torch.testing.assert_close(rloo, torch.tensor(expected))
     # REINFORCE++: the 7 steps' mean 3/7 and std sqrt(2/7), across groups: up u, down d
-    plus = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, EPS, baseline="reinforce++")
+    plus = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, baseline="reinforce++")
     u, d = (torch.tensor([4 / 7, -3 / 7]) / (math.sqrt(2 / 7) + EPS)).tolist()
     expected = [[2 * u, 2 * u, u, u, u], [2 * d, 2 * d, 2 * d, d, 0], [u + d, d, d, 0, 0], [d] * 5]
     torch.testing.assert_close(plus, torch.tensor(expected))
@@ -288,10 +288,11 @@ def test_process_advantages_with_only_final_answers_equal_outcome_advantages():
 
 def test_overlong_penalty_hand_computed():
     lengths = torch.tensor([5, 6, 7, 10])  # L_max 10, L_cache 4: free up to 6, then -1/4 per token
+    mask = (torch.arange(10) < lengths[:, None]).float()  # (4, 10), |o| ones each
     torch.testing.assert_close(
-        grpo_lm.overlong_penalty(lengths, 10, 4), torch.tensor([0.0, 0.0, -0.25, -1.0])
+        grpo_lm.overlong_penalty(mask, 10, 4), torch.tensor([0.0, 0.0, -0.25, -1.0])
     )
-    assert grpo_lm.overlong_penalty(lengths, 10, 0).abs().sum() == 0
+    assert grpo_lm.overlong_penalty(mask, 10, 0).abs().sum() == 0
 
 
 def test_replay_mix_ratio():
@@ -363,7 +364,7 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     T = batch.completion_ids.shape[1]
     seen = {}
 
-    def process_advantages(rewards, seq, end, N, T, G, *baselines):
+    def process_advantages(rewards, seq, end, N, T, G, **baselines):
         seen.update(rewards=rewards.tolist(), seq=seq.tolist(), end=end.tolist())
         return torch.zeros(N, T)
 
@@ -455,7 +456,7 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
     full = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **kw), task=digit_task())
     # 32 samples per step, 2 steps per iteration: 64 per iteration, 16 held out, 48 trained on
     assert full["reward_model/train_size"] == [48, 48 + 5]  # 48 * 0.1 / 0.9 = 5.3 -> 5 replayed
-    assert full["reward_model/replay_fraction"] == pytest.approx([0.0, 5 / 53])
+    assert full["reward_model/replayed"] == [0, 5]
     assert len(full["reward_model/heldout_accuracy"]) == 2 and "reward/verifiable_mean" in full
     ckpt = common.load_checkpoint(tmp_path / "a" / "run" / "checkpoint.pt")
     assert ckpt["step"] == 4 and len(ckpt["rm_replay"]) == 96 and ckpt["rm_new"] == []

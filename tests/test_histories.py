@@ -10,8 +10,8 @@ The runs use the tests' tiny Llama on one CPU thread; timings and memory are lef
   200, where a rounding difference can move one token across the clip edge). Measured on an Intel
   Xeon (issue 21): running torch's AVX2 or 2-thread kernels instead of its AVX-512 ones moves values
   by up to 2e-4 relative and one value clip fraction by one token, all inside the tolerance;
-  ``--beta 0.0401`` instead of 0.04 fails 63 values, ``--adv-eps 1.1e-4`` 18, ``--clip-range
-  0.2001`` 4.
+  ``--beta 0.0401`` instead of 0.04 fails 63 values, the std's eps 1.1e-4 (then ``--adv-eps``)
+  18, ``--clip-range 0.2001`` 4.
 - Bit-exact, on one machine, for refactors (a pure move changes no bit): record before, replay
   after::
 
@@ -174,7 +174,7 @@ def test_the_tolerance_tells_a_cpu_apart_from_a_change_of_the_math():
     21 measured passes, a change of --beta (or any other flag) in the fourth digit does not."""
     assert close("loss/kl", 0.008276622, 0.008276656)  # AMD EPYC vs Intel Xeon, same wheel
     assert close("loss/value_clip_fraction", 0.0795, 0.0625)  # one token across the clip edge
-    assert not close("loss/kl", 0.008290207, 0.008276656)  # --adv-eps 1.1e-4 instead of 1e-4
+    assert not close("loss/kl", 0.008290207, 0.008276656)  # eps 1.1e-4 instead of 1e-4
     assert not close("loss/policy", 0.0095739, 0.0095941)  # --clip-range 0.2001 instead of 0.2
     assert not close("loss/clip_fraction", 0.1, 0.05)
 

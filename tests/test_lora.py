@@ -215,3 +215,20 @@ def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_mode
         else:
             logp = ppo_lm.token_log_probs(policy, ids, att, 3, 1.0)
     torch.testing.assert_close(logp, direct, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lora_checkpoint_loads_exactly_its_adapters_and_refuses_other_keys(tiny_lora_model_dir):
+    # the adapters alone are saved (the frozen base weights are not in a checkpoint) and loaded
+    # with strict=False, so the keys are checked: one more (e.g. peft's own file format of earlier
+    # versions) or one fewer is an error, not an adapter silently left at its initial value
+    policy = lora_policy(tiny_lora_model_dir)
+    weights = {key: value + 0.5 for key, value in common.trained_weights(policy).items()}
+    assert weights and all("lora_" in key for key in weights)
+    common.load_trained_weights(policy, weights)
+    now = common.trained_weights(policy)
+    assert all(torch.equal(now[key], value) for key, value in weights.items())  # loaded
+    old = {key.replace(".default", ""): value for key, value in weights.items()}
+    fewer = dict(list(weights.items())[1:])
+    for bad in (old, fewer):
+        with pytest.raises(common.UsageError, match="^--resume: not this version's checkpoint"):
+            common.load_trained_weights(policy, bad)

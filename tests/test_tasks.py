@@ -4,6 +4,7 @@ model is loaded. (Countdown and the think/answer format: tests/test_examples.py.
 
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 from pathlib import Path
@@ -275,13 +276,13 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
     )
     tok, plain = make_tokenizer(), (None, "")
     held_out = tasks.Task("sums", [], ex[:2], tasks.number_matches, tasks.number_matches)
-    acc, texts = tasks.greedy_accuracy(
+    metrics, texts = tasks.held_out_accuracy(
         FixedPolicy(tok, "3"), tok, held_out, 2, 8, 1, plain, False
     )  # EOS ends each completion before the 8 tokens
-    assert (acc, texts) == (1.0, ["3", "3"])
+    assert (metrics, texts) == ({"eval/accuracy": 1.0}, [["3"], ["3"]])
     held_out.correct_fn = raises
     one_line_error(
-        tasks.greedy_accuracy,
+        tasks.held_out_accuracy,
         FixedPolicy(tok, "3"),
         tok,
         held_out,
@@ -294,7 +295,7 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
     )
     held_out.correct_fn = lambda c, e: 2  # the index counts over every batch
     one_line_error(
-        tasks.greedy_accuracy,
+        tasks.held_out_accuracy,
         FixedPolicy(tok, "3"),
         tok,
         held_out,
@@ -398,15 +399,48 @@ def test_build_prompt_with_the_default_model_template():
     )
 
 
-def test_greedy_accuracy_prompts_with_the_prefix_and_checks_prefix_plus_completion():
+def test_held_out_accuracy_prompts_with_the_prefix_and_checks_prefix_plus_completion():
     tok = chat_tokenizer(None)
     policy = FixedPolicy(tok, " 3")
     ex = [{"question": "What is 1 + 2?", "answer": "3"}]
     correct = lambda r, e: r == "So: 3"  # noqa: E731
     task = tasks.Task("sums", [], ex, correct, correct)
-    acc, texts = tasks.greedy_accuracy(policy, tok, task, 1, 8, 1, ("Add.", "So:"), False)
-    assert (acc, texts) == (1.0, ["So: 3"])
+    metrics, texts = tasks.held_out_accuracy(policy, tok, task, 1, 8, 1, ("Add.", "So:"), False)
+    assert (metrics, texts) == ({"eval/accuracy": 1.0}, [["So: 3"]])
     assert tok.decode(policy.prompts[0]) == "Add.\n\nQuestion: What is 1 + 2?\nAnswer:So:"
+
+
+def test_sample_metrics_hand_computed():
+    # three questions, n = 4 responses each: c = 1, c = n, c = 0
+    scores = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    answers = [["12", "x 13", "13", "so 12"], ["5"] * 4, ["x", "y", "7", "it is 7"]]
+    metrics = tasks.sample_metrics(scores, answers)
+    # pass@2 = 1 - C(n - c, 2) / C(4, 2): 1 - 3/6, 1 - 0, 1 - 6/6; pass@4 (k = n): 1, 1, 0; maj@4:
+    # a tie of 12 and 13 goes to the first response's (right), all 5 (right), 7 (the third: wrong)
+    assert metrics == pytest.approx(
+        {"eval/accuracy": 5 / 12, "eval/pass@2": 0.5, "eval/pass@4": 2 / 3, "eval/maj@4": 2 / 3}
+    )
+    assert tasks.sample_metrics(torch.tensor([[0.5], [1.0]]), [["a"], ["b"]]) == {
+        "eval/accuracy": 0.75  # n = 1 (greedy): the mean score alone
+    }
+    half = tasks.sample_metrics(torch.tensor([[0.5, 1.0]]), [["a", "b"]])  # right: a score of 1
+    assert half == {"eval/accuracy": 0.75, "eval/pass@2": 1.0, "eval/maj@2": 0.5}
+    keys = lambda n: [k for k in tasks.sample_metrics(torch.zeros(1, n), [["a"] * n]) if "@" in k]  # noqa: E731
+    assert keys(2) == ["eval/pass@2", "eval/maj@2"]
+    assert keys(5) == ["eval/pass@2", "eval/pass@4", "eval/pass@5", "eval/maj@5"]
+    assert keys(8) == ["eval/pass@2", "eval/pass@4", "eval/pass@8", "eval/maj@8"]
+
+
+def test_unbiased_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_right_one():
+    # Chen et al. 2021, eq. 1: over every k-subset of the n responses, the share with a right one
+    for n in (2, 3, 6):
+        for c in range(n + 1):
+            scores = torch.tensor([[1.0] * c + [0.0] * (n - c)])
+            metrics = tasks.sample_metrics(scores, [[str(i) for i in range(n)]])
+            for k in [k for k in range(2, n + 1) if f"eval/pass@{k}" in metrics]:
+                subsets = list(itertools.combinations(range(n), k))
+                share = sum(any(i < c for i in s) for s in subsets) / len(subsets)
+                assert metrics[f"eval/pass@{k}"] == pytest.approx(share), (n, c, k)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,11 +80,11 @@ def test_process_supervision_ends_with_the_outcome_at_the_last_token():
     tok = make_tokenizer()
     batch = char_batch(tok, ["1+1=2\nso 2", "1+1=3"], [1.0, 0.0])
     T, mask = batch.completion_ids.shape[1], batch.completion_mask
-    args = SimpleNamespace(group_size=2, scale_rewards="group", adv_eps=0.0, prompts_per_step=1)
+    args = SimpleNamespace(group_size=2, scale_rewards="group", prompts_per_step=1)
     args.advantage = "grpo"
     steps = grpo_lm.arithmetic_step_rewards
     advantages = grpo_lm.process_supervision(batch, tok, steps, args, "cpu")
-    r = 0.5 / torch.tensor([1.0, 1.0, 0.0, 0.0]).std().item()  # |r~| of every step
+    r = 0.5 / (torch.tensor([1.0, 1.0, 0.0, 0.0]).std().item() + 1e-4)  # |r~| of every step
     expected = torch.zeros(2, T)
     expected[0, :5] = 2 * r  # the step (token 4) and the final answer (token 10, the EOS) after t
     expected[0, 5:11] = r  # only the final answer's step ends at or after t
