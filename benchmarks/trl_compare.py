@@ -515,7 +515,7 @@ def run_loss(a: argparse.Namespace) -> None:
         "temperature": a.temperature,
         "completion_lengths": [int(x) for x in mask.sum(1).tolist()],
         "prompt_lengths": [len(p) for p in prompt_list],
-        "clipped_token_fraction": stats["clipped"].item() / tokens,
+        "clipped_token_fraction": (stats["clipped_high"] + stats["clipped_low"]).item() / tokens,
         "ratio_outside_clip_fraction": (((ratio0 - 1).abs() > a.clip_range).float() * mask)
         .sum()
         .item()
