@@ -171,7 +171,7 @@ def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(
     task.correct_fn = lambda completion, example: (
         sum(c.isdigit() for c in completion) >= 3
     )  # what the reward teaches
-    kw = dict(total_steps=2, eval_size=8, beta=0.01)
+    kw = dict(total_steps=2, eval_size=8, beta=0.01, eval_samples=3)  # sampled: pass@k, maj@n too
     trained = ppo_lm.main(ppo_args(tiny_model_dir, tmp_path, **kw), task=task)
     run = tmp_path / "run"
     from_ckpt = ppo_lm.main(
@@ -179,11 +179,19 @@ def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(
         task=task,
     )
     from_model = ppo_lm.main(
-        ppo_args(run / "final_model", tmp_path, eval_size=8, eval_only=True, run_name="eval"),
+        ppo_args(
+            run / "final_model",
+            tmp_path,
+            eval_size=8,
+            eval_samples=3,
+            eval_only=True,
+            run_name="eval",
+        ),
         task=task,
     )
+    for key in ("eval/accuracy", "eval/pass@2", "eval/pass@3", "eval/maj@3"):  # seeded samples
+        assert from_ckpt[key] == from_model[key] == trained[key][-1:], key
     last = trained["eval/accuracy"][-1:]
-    assert from_ckpt["eval/accuracy"] == from_model["eval/accuracy"] == last
     assert json.loads((run / "eval_step2.json").read_text())["accuracy"] == last[0]
     assert (tmp_path / "eval" / "eval.json").is_file()
     initial, final, *evaluated = scored  # training's steps 0 and 2, then the two --eval-only runs
