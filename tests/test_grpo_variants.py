@@ -372,7 +372,7 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
         return grpo_lm.arithmetic_step_rewards(text) if text == texts[0] else [(999, 0.5)]
 
     monkeypatch.setattr(grpo_lm, "process_advantages", process_advantages)
-    args = SimpleNamespace(group_size=2, scale_rewards=None, adv_eps=EPS, prompts_per_step=1)
+    args = SimpleNamespace(group_size=2, scale_rewards=None, prompts_per_step=1)
     args.advantage = "grpo"
     advantages = grpo_lm.process_supervision(batch, tok, steps, args, "cpu")
     assert advantages.shape == (2, T)
