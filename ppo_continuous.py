@@ -102,8 +102,10 @@ def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.
 
 def mlp(in_dim: int, out_dim: int, std: float) -> nn.Sequential:
     """``(B, in_dim) -> (B, out_dim)``: two tanh layers of 64, an output layer of gain ``std``."""
-    layers = [layer_init(nn.Linear(in_dim, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64))]
-    return nn.Sequential(*layers, nn.Tanh(), layer_init(nn.Linear(64, out_dim), std))
+    hidden1 = layer_init(nn.Linear(in_dim, 64))
+    hidden2 = layer_init(nn.Linear(64, 64))
+    output = layer_init(nn.Linear(64, out_dim), std)
+    return nn.Sequential(hidden1, nn.Tanh(), hidden2, nn.Tanh(), output)
 
 
 class Agent(nn.Module):
@@ -121,22 +123,34 @@ class Agent(nn.Module):
         """A NumPy copy of ``actor_mean`` as it is now, float32, the same function to rounding
         (tested): a one-row torch forward costs ~90 us per env step, NumPy ~15 us."""
         params = [p.detach().cpu().numpy() for p in self.actor_mean.parameters()]
-        w1, b1, w2, b2, w3, b3 = [p.T.copy() if p.ndim == 2 else p.copy() for p in params]
-        return lambda x: np.tanh(np.tanh(x @ w1 + b1) @ w2 + b2) @ w3 + b3
+        w1, b1, w2, b2, w3, b3 = [p.T.copy() for p in params]  # weights as (in, out)
+
+        def actor_mean(x):
+            hidden = np.tanh(x @ w1 + b1)
+            hidden = np.tanh(hidden @ w2 + b2)
+            return hidden @ w3 + b3
+
+        return actor_mean
 
     def get_action_and_value(self, x: torch.Tensor, action: torch.Tensor):
         """Log-prob ``(B,)`` of ``action`` ``(B, act_dim)``, entropy ``(B,)`` and value ``(B,)``;
         action dimensions are independent, their log-probs and entropies summed (cont. #3)."""
         action_mean = self.actor_mean(x)
-        std = self.actor_logstd.expand_as(action_mean).exp()
-        probs = torch.distributions.Normal(action_mean, std, validate_args=False)
-        return probs.log_prob(action).sum(-1), probs.entropy().sum(-1), self.critic(x).squeeze(-1)
+        action_logstd = self.actor_logstd.expand_as(action_mean)
+        action_std = action_logstd.exp()
+        probs = torch.distributions.Normal(action_mean, action_std, validate_args=False)
+        logprob = probs.log_prob(action).sum(-1)
+        entropy = probs.entropy().sum(-1)
+        value = self.critic(x).squeeze(-1)
+        return logprob, entropy, value
 
 
 # ----------------------------------------------------------------------------------------------
 # The PPO loss of one minibatch (core #7-#10, #12)
 # ----------------------------------------------------------------------------------------------
-def ppo_loss(agent: Agent, minibatch, clip_coef, vf_coef, ent_coef, norm_adv=True, clip_vloss=True):
+def ppo_loss(
+    agent: Agent, minibatch, *, clip_coef, vf_coef, ent_coef, norm_adv=True, clip_vloss=True
+):
     """``L_clip + vf_coef * L_V - ent_coef * H`` of ``B`` transitions, to be minimised (Schulman et
     al. 2017 eq. 7 and 9, negated). ``minibatch``: ``obs`` ``(B, obs_dim)`` normalised, ``actions``
     ``(B, act_dim)`` unclipped, then ``(B,)``: ``old_logprobs``, ``advantages`` (GAE), ``returns =
@@ -168,19 +182,26 @@ def ppo_loss(agent: Agent, minibatch, clip_coef, vf_coef, ent_coef, norm_adv=Tru
     # core #10: overall loss with entropy bonus (left out of the graph when its coef is 0: faster)
     entropy_loss = entropy.mean()
     loss = pg_loss + v_loss * vf_coef
-    loss = loss - ent_coef * entropy_loss if ent_coef else loss
+    if ent_coef:
+        loss = loss - ent_coef * entropy_loss
 
     with torch.no_grad():  # core #12: debug variables
-        k1, k3 = (-logratio).mean(), ((ratio - 1) - logratio).mean()  # estimates of KL(old || new)
+        old_approx_kl = (-logratio).mean()  # k1 estimate of KL(old || new)
+        approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimate of KL(old || new)
         clipfrac = ((ratio - 1.0).abs() > clip_coef).float().mean()
     stats = dict(policy_loss=pg_loss, value_loss=v_loss, entropy=entropy_loss, clipfrac=clipfrac)
-    return loss, {k: v.detach() for k, v in stats.items()} | dict(old_approx_kl=k1, approx_kl=k3)
+    stats = {name: stat.detach() for name, stat in stats.items()}
+    stats["old_approx_kl"] = old_approx_kl
+    stats["approx_kl"] = approx_kl
+    return loss, stats
 
 
 # ----------------------------------------------------------------------------------------------
 # GAE (core #5) and minibatches (core #6)
 # ----------------------------------------------------------------------------------------------
-def compute_gae(rewards, values, next_values, terminations, dones, gamma: float, gae_lambda: float):
+def compute_gae(
+    rewards, values, next_values, *, terminations, dones, gamma: float, gae_lambda: float
+):
     """Generalized advantage estimation (Schulman et al. 2016 eq. 16) over NumPy arrays ``(T, N)``:
     ``delta_t = r_t + gamma * (1 - term_t) * V(s_{t+1}) - V(s_t)``, ``A_t = delta_t + gamma *
     lambda * (1 - done_t) * A_{t+1}``; ``next_values[t]``: V of the observation step t returned (the
@@ -189,8 +210,10 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma: float,
     advantages = np.zeros_like(rewards)
     lastgaelam = np.zeros_like(rewards[0])
     for t in reversed(range(rewards.shape[0])):
-        delta = rewards[t] + gamma * next_values[t] * (1.0 - terminations[t]) - values[t]
-        lastgaelam = delta + gamma * gae_lambda * (1.0 - dones[t]) * lastgaelam
+        nonterminal = 1.0 - terminations[t]
+        delta = rewards[t] + gamma * next_values[t] * nonterminal - values[t]
+        continues = 1.0 - dones[t]  # 0: step t + 1 starts another episode
+        lastgaelam = delta + gamma * gae_lambda * continues * lastgaelam
         advantages[t] = lastgaelam
     return advantages, advantages + values
 
@@ -198,7 +221,10 @@ def compute_gae(rewards, values, next_values, terminations, dones, gamma: float,
 def minibatches(inds: torch.Tensor, num_minibatches: int) -> tuple[torch.Tensor, ...]:
     """The shuffled indices ``(B,)`` of real transitions in ``num_minibatches`` near-equal parts
     (core #6), fewer when ``B < 2 * num_minibatches``: each holds at least 2 for core #7's std."""
-    return torch.tensor_split(inds, min(num_minibatches, len(inds) // 2)) if len(inds) >= 2 else ()
+    if len(inds) < 2:
+        return ()
+    num_parts = min(num_minibatches, len(inds) // 2)
+    return torch.tensor_split(inds, num_parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,26 +247,36 @@ def train(args: Args) -> dict:
     # core #13: separate networks; core #3: Adam with eps 1e-5, fused (one kernel, same update)
     agent = Agent(obs_dim, act_dim).to(device)
     if ckpt is not None:
-        load_networks(agent, ckpt, args.resume, "--resume", args.env_id)
+        load_networks(agent, ckpt, args.resume, flag="--resume", env_id=args.env_id)
     loss_fn = torch.compile(ppo_loss) if args.compile else ppo_loss
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
-    envs = make_envs(args, str(run_dir / "videos") if args.capture_video else None)  # core #1
+    video_dir = str(run_dir / "videos") if args.capture_video else None
+    envs = make_envs(args, video_dir)  # core #1
 
     # ALGO Logic: storage setup, shape (num_steps, num_envs, ...). The rollout fills NumPy arrays
     # (a NumPy copy costs ~1 us, a torch one ~5 us); they become tensors once per rollout.
-    obs = np.zeros((args.num_steps, args.num_envs, obs_dim), dtype=np.float32)
-    actions = np.zeros((args.num_steps, args.num_envs, act_dim), dtype=np.float32)
-    # four (num_steps, num_envs) arrays; valid is 0 at autoreset steps
-    rewards, terminations, dones, valid = np.zeros((4, args.num_steps, args.num_envs), np.float32)
+    rollout_shape = (args.num_steps, args.num_envs)
+    obs = np.zeros((*rollout_shape, obs_dim), dtype=np.float32)
+    actions = np.zeros((*rollout_shape, act_dim), dtype=np.float32)
+    rewards = np.zeros(rollout_shape, dtype=np.float32)
+    terminations = np.zeros(rollout_shape, dtype=np.float32)
+    dones = np.zeros(rollout_shape, dtype=np.float32)
+    valid = np.zeros(rollout_shape, dtype=np.float32)  # 0 at autoreset steps
 
     if ckpt is None:
-        start_iteration, global_step, (next_obs, _) = 1, 0, envs.reset(seed=args.seed)
+        start_iteration = 1
+        global_step = 0
+        next_obs, _ = envs.reset(seed=args.seed)
     else:  # in-flight episodes restart from a seeded reset (see resume_from)
         start_iteration, global_step, next_obs = resume_from(ckpt, optimizer, envs, args)
     next_valid = np.ones(args.num_envs, dtype=np.float32)
-    writer = make_writer(run_dir, args, purge_step=None if ckpt is None else global_step + 1)
-    episodes, masked_steps = [], 0  # (global step, return, length) of each episode; autoreset steps
-    start = (time.time(), time.process_time(), global_step)  # for the speeds
+    purge_step = None if ckpt is None else global_step + 1
+    writer = make_writer(run_dir, args, purge_step=purge_step)
+    episodes = []  # (global step, return, length) of each episode
+    masked_steps = 0  # autoreset steps, left out of the updates
+    start_time = time.time()
+    start_cpu_time = time.process_time()
+    start_step = global_step
     save_every = args.save_every or args.num_iterations  # 0: only at the end
 
     try:
@@ -248,12 +284,14 @@ def train(args: Args) -> dict:
             # core #4: linear learning-rate annealing
             if args.anneal_lr:
                 frac = 1.0 - (iteration - 1.0) / args.num_iterations
-                optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+                lrnow = frac * args.learning_rate
+                optimizer.param_groups[0]["lr"] = lrnow
 
             # ROLLOUT: a ~ N(mu(s), sigma) (cont. #1) sampled as mu(s) + sigma * noise, with mu from
             # a NumPy copy of the actor; values and log-probs come from one batched pass after it.
-            noise = torch.randn((args.num_steps, args.num_envs, act_dim), device=device)
-            scaled_noise = (agent.actor_logstd.detach().exp() * noise).cpu().numpy()
+            noise = torch.randn((*rollout_shape, act_dim), device=device)
+            action_std = agent.actor_logstd.detach().exp()
+            scaled_noise = (action_std * noise).cpu().numpy()
             actor_mean = agent.numpy_actor_mean()
             for step in range(args.num_steps):
                 global_step += args.num_envs
@@ -261,9 +299,11 @@ def train(args: Args) -> dict:
                 valid[step] = next_valid
                 action = actor_mean(next_obs) + scaled_noise[step]
                 actions[step] = action  # stored unclipped; the env sees it clipped (cont. #5)
-                next_obs, reward, term, trunc, infos = envs.step(action)
-                rewards[step], terminations[step] = reward, term
-                dones[step] = done = np.logical_or(term, trunc)
+                next_obs, reward, terminated, truncated, infos = envs.step(action)
+                rewards[step] = reward
+                terminations[step] = terminated
+                done = np.logical_or(terminated, truncated)
+                dones[step] = done
                 # gymnasium 1.x next-step autoreset: after an episode ends, the next step of that
                 # env only resets it (action ignored, reward 0); it is stored, never trained on.
                 next_valid = 1.0 - done
@@ -277,39 +317,58 @@ def train(args: Args) -> dict:
                 b_obs = torch.from_numpy(obs).to(device).reshape(-1, obs_dim)
                 b_actions = torch.from_numpy(actions).to(device).reshape(-1, act_dim)
                 b_logprobs, _, b_values = agent.get_action_and_value(b_obs, b_actions)
-                values = b_values.cpu().numpy().reshape(args.num_steps, args.num_envs)
-                last_value = agent.critic(torch.from_numpy(next_obs).to(device)).cpu().numpy()
+                values = b_values.cpu().numpy().reshape(rollout_shape)
+                last_obs = torch.from_numpy(next_obs).to(device)
+                last_value = agent.critic(last_obs).cpu().numpy()  # (num_envs, 1)
             # V(s_{t+1}): the next stored observation is the one the step returned (the final one
             # when the episode ended, thanks to next-step autoreset); the last one is next_obs'.
-            next_values = np.concatenate([values[1:], last_value.T])  # last_value: (num_envs, 1)
+            next_values = np.concatenate([values[1:], last_value.T])
 
             # GAE (core #5, Schulman et al. 2016 eq. 16). A time-limit truncation bootstraps from
             # V(final obs) unless --no-bootstrap-truncation, which treats it as a termination.
-            stop = terminations if args.bootstrap_truncation else dones
+            terminal = terminations if args.bootstrap_truncation else dones
             advantages, returns = compute_gae(
-                rewards, values, next_values, stop, dones, args.gamma, args.gae_lambda
+                rewards,
+                values,
+                next_values,
+                terminations=terminal,
+                dones=dones,
+                gamma=args.gamma,
+                gae_lambda=args.gae_lambda,
             )
 
             # flatten the batch; keep only real transitions (autoreset steps masked out)
             b_advantages = torch.from_numpy(advantages).to(device).reshape(-1)
             b_returns = torch.from_numpy(returns).to(device).reshape(-1)
-            b_valid_inds = torch.as_tensor(np.flatnonzero(valid.reshape(-1)), device=device)
+            valid_inds = np.flatnonzero(valid.reshape(-1))
+            b_valid_inds = torch.as_tensor(valid_inds, device=device)
             masked_steps += args.batch_size - len(b_valid_inds)
             batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
-            coefs = (args.clip_coef, args.vf_coef, args.ent_coef, args.norm_adv, args.clip_vloss)
 
             # UPDATE: epochs over shuffled minibatches of at least 2 transitions (core #6)
-            clipfracs, stats = [], {}
+            clipfracs = []
+            stats = {}
             for epoch in range(args.update_epochs):
                 perm = b_valid_inds[torch.randperm(len(b_valid_inds), device=device)]
                 for mb_inds in minibatches(perm, args.num_minibatches):
-                    loss, stats = loss_fn(agent, [x[mb_inds] for x in batch], *coefs)
+                    minibatch = [x[mb_inds] for x in batch]
+                    loss, stats = loss_fn(
+                        agent,
+                        minibatch,
+                        clip_coef=args.clip_coef,
+                        vf_coef=args.vf_coef,
+                        ent_coef=args.ent_coef,
+                        norm_adv=args.norm_adv,
+                        clip_vloss=args.clip_vloss,
+                    )
                     clipfracs.append(stats["clipfrac"])
                     optimizer.zero_grad()
                     loss.backward()
                     # core #11: global gradient-norm clipping; nothing non-finite is applied
                     grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    check_finite(ckpt_path, iteration, epoch, loss, grad_norm)
+                    check_finite(
+                        loss, grad_norm, iteration=iteration, epoch=epoch, ckpt_path=ckpt_path
+                    )
                     optimizer.step()
                 if args.target_kl is not None and stats and stats["approx_kl"] > args.target_kl:
                     break
@@ -317,32 +376,38 @@ def train(args: Args) -> dict:
             # TRY NOT TO MODIFY: record rewards and debug variables for plotting purposes
             if stats:  # the last minibatch's, but clipfrac: the mean over all minibatches
                 stats["clipfrac"] = torch.stack(clipfracs).mean()
-            scalars = {f"losses/{k}": v.item() for k, v in stats.items()}
-            y_pred, y_true = (x[b_valid_inds].cpu().numpy() for x in (b_values, b_returns))
+            y_pred = b_values[b_valid_inds].cpu().numpy()
+            y_true = b_returns[b_valid_inds].cpu().numpy()
             var_y = np.var(y_true)  # explained variance, NaN when the returns do not vary
             explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-            scalars["losses/explained_variance"] = float(explained_var)
-            scalars["charts/learning_rate"] = optimizer.param_groups[0]["lr"]
-            scalars["charts/SPS"] = sps = int((global_step - start[2]) / (time.time() - start[0]))
-            for tag, value in scalars.items():
-                writer.add_scalar(tag, value, global_step)
-            print(
-                f"step {global_step}: {sps} SPS, last return", episodes[-1][1] if episodes else ""
-            )
+            for name, stat in stats.items():
+                writer.add_scalar(f"losses/{name}", stat.item(), global_step)
+            writer.add_scalar("losses/explained_variance", float(explained_var), global_step)
+            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+            sps = int((global_step - start_step) / (time.time() - start_time))
+            writer.add_scalar("charts/SPS", sps, global_step)
+            last_return = episodes[-1][1] if episodes else ""
+            print(f"step {global_step}: {sps} SPS, last return", last_return)
 
             if iteration % save_every == 0 or iteration == args.num_iterations:
-                state = run_state(agent, optimizer, envs, args, iteration, global_step)
+                state = run_state(
+                    agent, optimizer, envs, args, iteration=iteration, global_step=global_step
+                )
                 atomic_save(state, ckpt_path)
     finally:  # also on an error: the logs reach the disk
         envs.close()
         writer.close()
 
     # the summary (also for benchmarks/ppo_continuous_bench.py); speeds per wall and CPU second
-    steps, last = global_step - start[2], [r for _, r, _ in episodes[-10:]]
-    sps, cpu_sps = steps / (time.time() - start[0]), steps / (time.process_time() - start[1])
-    final = float(np.mean(last)) if last else None
+    steps = global_step - start_step
+    sps = steps / (time.time() - start_time)
+    cpu_sps = steps / (time.process_time() - start_cpu_time)
+    last_ep_returns = [ep_return for _, ep_return, _ in episodes[-10:]]
+    final_return = float(np.mean(last_ep_returns)) if last_ep_returns else None
     summary = dict(run_dir=str(run_dir), global_step=global_step, sps=sps, cpu_sps=cpu_sps)
-    summary |= dict(episodes=episodes, masked_steps=masked_steps, final_return_last10=final)
+    summary["episodes"] = episodes
+    summary["masked_steps"] = masked_steps
+    summary["final_return_last10"] = final_return
     (run_dir / "summary.json").write_text(json.dumps(summary))
     print(f"{args.env_id}: {global_step} steps at {sps:.0f} SPS; checkpoint: {ckpt_path}")
     return summary
@@ -368,15 +433,20 @@ def check_env_id(env_id: str) -> tuple[int, int]:
     installed"), has no ``Box`` action space or no flat observation."""
     try:
         with gym.make(env_id) as env:
-            obs_space, act_space = env.observation_space, env.action_space
+            obs_space = env.observation_space
+            act_space = env.action_space
     except Exception as e:  # noqa: BLE001 - gym raises many error types; the user needs one line
-        cause = f" ({type(e.__cause__).__name__}: {first_line(e.__cause__)})" if e.__cause__ else ""
-        raise UsageError(f"--env-id: cannot make {env_id!r}: {first_line(e)}{cause}") from None
-    ok = isinstance(act_space, gym.spaces.Box) and isinstance(obs_space, gym.spaces.Box)
+        cause = e.__cause__
+        why = f" ({type(cause).__name__}: {first_line(cause)})" if cause else ""
+        raise UsageError(f"--env-id: cannot make {env_id!r}: {first_line(e)}{why}") from None
+    box_actions = isinstance(act_space, gym.spaces.Box)
+    flat_obs = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
     got = f"{env_id} has {type(act_space).__name__} actions, {obs_space} observations"
     needs = "Box actions (use a discrete-action PPO for others) and flat Box observations"
-    check(ok and len(obs_space.shape) == 1, f"--env-id: {got}; this script needs {needs}")
-    return int(obs_space.shape[0]), int(np.prod(act_space.shape))
+    check(box_actions and flat_obs, f"--env-id: {got}; this script needs {needs}")
+    obs_dim = int(obs_space.shape[0])
+    act_dim = int(np.prod(act_space.shape))
+    return obs_dim, act_dim
 
 
 def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
@@ -385,27 +455,49 @@ def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
     #5), NormalizeObservation (cont. #6), clip it (cont. #7), NormalizeReward by the std of the
     discounted return (cont. #8), clip it (cont. #9); next-step autoreset. ``envs.normalizers``:
     the two normalisers; ``video_dir`` records env 0."""
-    env_id, obs_clip, reward_clip = args.env_id, args.obs_clip, args.reward_clip
-    env_fns = [lambda: gym.make(env_id)] * args.num_envs
+    env_id = args.env_id
+    obs_clip = args.obs_clip
+    reward_clip = args.reward_clip
+
+    def make_env():
+        return gym.make(env_id)
+
+    def make_recorded_env():
+        env = gym.make(env_id, render_mode="rgb_array")
+        return gym.wrappers.RecordVideo(env, video_dir)
+
+    env_fns = [make_env] * args.num_envs
     if video_dir is not None:  # env 0 records; without a display, MuJoCo renders through EGL
         if sys.platform == "linux" and not os.getenv("DISPLAY"):
             os.environ.setdefault("MUJOCO_GL", "egl")
-        rgb = dict(render_mode="rgb_array")
-        env_fns[0] = lambda: gym.wrappers.RecordVideo(gym.make(env_id, **rgb), video_dir)
+        env_fns[0] = make_recorded_env
     vec_cls = gym.vector.SyncVectorEnv if args.vector_mode == "sync" else gym.vector.AsyncVectorEnv
     # copy=False: NormalizeObservation below returns a fresh array every step anyway
     envs = vec_cls(env_fns, copy=False, autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
     envs = vector_wrappers.RecordEpisodeStatistics(envs)
     # cont. #5: what gymnasium's vector ClipAction does, without its per-env Python loop
-    low, high = envs.single_action_space.low, envs.single_action_space.high
-    envs = vector_wrappers.TransformAction(envs, lambda a: np.clip(a, low, high), envs.action_space)
-    obs_norm = envs = vector_wrappers.NormalizeObservation(envs)
-    envs.obs_rms = FastRunningMeanStd(shape=envs.obs_rms.mean.shape, dtype=envs.obs_rms.mean.dtype)
-    clip_obs = lambda o: np.clip(o, -obs_clip, obs_clip)  # noqa: E731
+    low = envs.single_action_space.low
+    high = envs.single_action_space.high
+
+    def clip_action(action):
+        return np.clip(action, low, high)
+
+    def clip_obs(obs):
+        return np.clip(obs, -obs_clip, obs_clip)
+
+    def clip_reward(reward):
+        return np.clip(reward, -reward_clip, reward_clip)
+
+    envs = vector_wrappers.TransformAction(envs, clip_action, envs.action_space)
+    envs = vector_wrappers.NormalizeObservation(envs)
+    obs_norm = envs
+    obs_mean = envs.obs_rms.mean
+    envs.obs_rms = FastRunningMeanStd(shape=obs_mean.shape, dtype=obs_mean.dtype)
     envs = vector_wrappers.TransformObservation(envs, clip_obs, envs.observation_space)
-    ret_norm = envs = vector_wrappers.NormalizeReward(envs, gamma=args.gamma)
+    envs = vector_wrappers.NormalizeReward(envs, gamma=args.gamma)
+    ret_norm = envs
     envs.return_rms = FastRunningMeanStd(shape=())
-    envs = vector_wrappers.TransformReward(envs, lambda r: np.clip(r, -reward_clip, reward_clip))
+    envs = vector_wrappers.TransformReward(envs, clip_reward)
     envs.normalizers = (obs_norm, ret_norm)
     return envs
 
@@ -413,16 +505,24 @@ def make_envs(args: Args, video_dir: str | None = None) -> gym.vector.VectorEnv:
 def finished_episodes(infos: dict) -> list[tuple[int, float, int]]:
     """Every episode that ended on this step, as ``(env_index, return, length)``, from gymnasium
     1.x's ``infos["episode"]``/``infos["_episode"]`` (raw rewards), all when several envs finish."""
-    ended = np.flatnonzero(infos["_episode"]) if "_episode" in infos else ()  # () on most steps
-    return [(int(i), float(infos["episode"]["r"][i]), int(infos["episode"]["l"][i])) for i in ended]
+    if "_episode" not in infos:  # on most steps
+        return []
+    ended = np.flatnonzero(infos["_episode"])
+    ep_returns = infos["episode"]["r"]
+    ep_lengths = infos["episode"]["l"]
+    return [(int(i), float(ep_returns[i]), int(ep_lengths[i])) for i in ended]
 
 
 def get_norm_state(envs) -> dict:
     """Copies of the statistics: ``obs_mean``, ``obs_var`` ``(obs_dim,)``, ``obs_count`` (cont.
     #6); scalars ``ret_*`` of the discounted return whose std scales the rewards (cont. #8)."""
-    obs, ret = envs.normalizers[0].obs_rms, envs.normalizers[1].return_rms
-    state = dict(obs_mean=np.array(obs.mean), obs_var=np.array(obs.var), obs_count=obs.count)
-    return state | dict(ret_mean=np.array(ret.mean), ret_var=np.array(ret.var), ret_count=ret.count)
+    obs_norm, ret_norm = envs.normalizers
+    state = {}
+    for key, rms in (("obs", obs_norm.obs_rms), ("ret", ret_norm.return_rms)):
+        state[f"{key}_mean"] = np.array(rms.mean)
+        state[f"{key}_var"] = np.array(rms.var)
+        state[f"{key}_count"] = rms.count
+    return state
 
 
 def set_norm_state(envs, state: dict, update: bool = True) -> None:
@@ -430,8 +530,10 @@ def set_norm_state(envs, state: dict, update: bool = True) -> None:
     normalisers (gymnasium's ``update_running_mean``), as for evaluation."""
     for normalizer, key in zip(envs.normalizers, ("obs", "ret"), strict=True):
         rms = normalizer.obs_rms if key == "obs" else normalizer.return_rms
-        rms.mean, rms.var = np.array(state[f"{key}_mean"]), np.array(state[f"{key}_var"])
-        rms.count, normalizer.update_running_mean = state[f"{key}_count"], update
+        rms.mean = np.array(state[f"{key}_mean"])
+        rms.var = np.array(state[f"{key}_var"])
+        rms.count = state[f"{key}_count"]
+        normalizer.update_running_mean = update
 
 
 def evaluate(args: Args) -> list[float]:
@@ -440,21 +542,25 @@ def evaluate(args: Args) -> list[float]:
     path = args.eval_checkpoint
     ckpt = load_checkpoint(path, "--eval-checkpoint")
     saved = Args(**ckpt["args"])  # the flags of the run that wrote it (its env, discount, clips)
-    agent = Agent(*check_env_id(saved.env_id))  # on the CPU: one row per step
-    load_networks(agent, ckpt, path, "--eval-checkpoint", saved.env_id)
+    obs_dim, act_dim = check_env_id(saved.env_id)
+    agent = Agent(obs_dim, act_dim)  # on the CPU: one row per step
+    load_networks(agent, ckpt, path, flag="--eval-checkpoint", env_id=saved.env_id)
     video_dir = str(Path(path).parent / "videos_eval") if args.capture_video else None
-    envs = make_envs(dataclasses.replace(saved, num_envs=1, vector_mode="sync"), video_dir)
+    env_args = dataclasses.replace(saved, num_envs=1, vector_mode="sync")
+    envs = make_envs(env_args, video_dir)
     set_norm_state(envs, ckpt["norm"], update=False)
-    returns, (next_obs, _) = [], envs.reset(seed=args.seed)
+    ep_returns = []
+    next_obs, _ = envs.reset(seed=args.seed)
     with torch.inference_mode():
-        while len(returns) < args.eval_episodes:
+        while len(ep_returns) < args.eval_episodes:
             action = agent.actor_mean(torch.as_tensor(next_obs))  # the mean action
             next_obs, _, _, _, infos = envs.step(action.numpy())
-            returns += [r for _, r, _ in finished_episodes(infos)]
+            ep_returns += [ep_return for _, ep_return, _ in finished_episodes(infos)]
     envs.close()
-    mean, std = np.mean(returns), np.std(returns)
-    print(f"eval {saved.env_id}: {len(returns)} episodes, return {mean:.1f} +- {std:.1f}")
-    return returns
+    mean = np.mean(ep_returns)
+    std = np.std(ep_returns)
+    print(f"eval {saved.env_id}: {len(ep_returns)} episodes, return {mean:.1f} +- {std:.1f}")
+    return ep_returns
 
 
 # ----------------------------------------------------------------------------------------------
@@ -473,13 +579,18 @@ def check(ok: bool, message: str) -> None:
 
 
 def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def main(args: Args | None = None):
     """Check the flags (parsed from the command line without ``args``), then evaluate or train."""
-    args = validate(parse_args() if args is None else args)
-    return evaluate(args) if args.eval_checkpoint is not None else train(args)
+    if args is None:
+        args = parse_args()
+    args = validate(args)
+    if args.eval_checkpoint is not None:
+        return evaluate(args)
+    return train(args)
 
 
 def cli(argv: list[str] | None = None) -> None:
@@ -503,12 +614,16 @@ def parse_args(argv: list[str] | None = None, default: Args | None = None) -> Ar
     except SystemExit as e:
         if e.code in (0, None):  # --help
             raise
-        text = "\n".join(row.strip(" │|") for row in box.getvalue().splitlines()[1:])  # 0: title
-        paragraph = next((p for p in re.split(r"^[─-]*$", text, flags=re.M) if p.strip()), "?")
-        message = re.sub(r"^Error parsing (--[\w-]+):", r"\1:", " ".join(paragraph.split()))
+        rows = box.getvalue().splitlines()[1:]  # 0: the title
+        text = "\n".join(row.strip(" │|") for row in rows)
+        paragraphs = re.split(r"^[─-]*$", text, flags=re.M)
+        paragraph = next((p for p in paragraphs if p.strip()), "?")
+        one_line = " ".join(paragraph.split())
+        message = re.sub(r"^Error parsing (--[\w-]+):", r"\1:", one_line)
         raise UsageError(message) from None
     if args.resume is not None and default is None:  # again, with the run's flags as defaults
-        return parse_args(argv, Args(**load_checkpoint(args.resume, "--resume")["args"]))
+        saved = load_checkpoint(args.resume, "--resume")["args"]
+        return parse_args(argv, Args(**saved))
     return args
 
 
@@ -521,7 +636,8 @@ def flag_error(flags: dict) -> str | None:
     except pydantic.ValidationError as e:
         err = e.errors()[0]
         message = re.sub(r"^\w+ should", "must", err["msg"])  # "Input should be ..."
-        return f"--{str(err['loc'][0]).replace('_', '-')}: {message}, got {err['input']!r}"
+        flag = str(err["loc"][0]).replace("_", "-")
+        return f"--{flag}: {message}, got {err['input']!r}"
 
 
 def validate(args: Args) -> Args:
@@ -533,11 +649,12 @@ def validate(args: Args) -> Args:
     args.batch_size = args.num_envs * args.num_steps
     args.minibatch_size = args.batch_size // args.num_minibatches
     args.num_iterations = args.total_timesteps // args.batch_size
-    n = f"num_envs * num_steps = {args.batch_size}"
-    check(args.batch_size % args.num_minibatches == 0, f"--num-minibatches: must divide {n}")
-    check(args.minibatch_size >= 2, f"--num-minibatches: each minibatch needs at least 2 of {n}")
+    batch = f"num_envs * num_steps = {args.batch_size}"
+    check(args.batch_size % args.num_minibatches == 0, f"--num-minibatches: must divide {batch}")
+    at_least_2 = f"--num-minibatches: each minibatch needs at least 2 of {batch}"
+    check(args.minibatch_size >= 2, at_least_2)
     if args.eval_checkpoint is None:
-        check(args.num_iterations > 0, f"--total-timesteps: must be at least one rollout, {n}")
+        check(args.num_iterations > 0, f"--total-timesteps: must be at least one rollout, {batch}")
         gib = 1200 * args.batch_size / 2**30  # a rollout takes at least ~300 float32 per step
         if os.name == "posix":
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -553,30 +670,37 @@ def open_run(args: Args) -> tuple[dict | None, Path, int, int]:
     fixing the networks, statistics, steps or place changed, or no steps are left to train."""
     if args.resume is None:
         check_writable(Path(args.runs_dir), "--runs-dir")
-        name = f"{Path(args.env_id).stem}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        ckpt, run_dir = None, Path(args.runs_dir) / name
+        env_name = Path(args.env_id).stem
+        run_name = f"{env_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        ckpt = None
+        run_dir = Path(args.runs_dir) / run_name
         again = "resume it with --resume, or pick another --exp-name"
         check(not (run_dir / "checkpoint.pt").exists(), f"{run_dir} holds a checkpoint: {again}")
     else:
-        ckpt, run_dir = load_checkpoint(args.resume), Path(args.resume).resolve().parent
-        for name in ("env_id", "num_envs", "num_steps", "runs_dir"):
-            saved = ckpt["args"].get(name, getattr(args, name))
+        ckpt = load_checkpoint(args.resume)
+        run_dir = Path(args.resume).resolve().parent
+        for field in ("env_id", "num_envs", "num_steps", "runs_dir"):
+            given = getattr(args, field)
+            saved = ckpt["args"].get(field, given)
             started = f"cannot change when resuming (this run was started with {saved!r})"
-            check(saved == getattr(args, name), f"--{name.replace('_', '-')}: {started}")
+            flag = "--" + field.replace("_", "-")
+            check(saved == given, f"{flag}: {started}")
         done = f"this run already reached step {ckpt['global_step']}; pass more to train further"
         check(args.num_iterations > ckpt["iteration"], f"--total-timesteps: {done}")
         check_writable(run_dir, "--resume")
-    return ckpt, run_dir, *check_env_id(args.env_id)
+    obs_dim, act_dim = check_env_id(args.env_id)
+    return ckpt, run_dir, obs_dim, act_dim
 
 
 def check_writable(path: Path, flag: str) -> None:
     """Fail now, not at the first save, when ``path`` (or, while it does not exist, its nearest
     existing parent) cannot take a file; leaves nothing behind."""
-    probe = next(p for p in (path, *path.parents) if p.exists())
+    probe = next(p for p in [path, *path.parents] if p.exists())
     try:
         tempfile.TemporaryFile(dir=probe).close()
     except OSError as e:
-        raise UsageError(f"{flag}: cannot write in {path} ({probe}: {e.strerror or e})") from None
+        why = e.strerror or e
+        raise UsageError(f"{flag}: cannot write in {path} ({probe}: {why})") from None
 
 
 def load_checkpoint(path: str | Path, flag: str = "--resume") -> dict:
@@ -586,9 +710,11 @@ def load_checkpoint(path: str | Path, flag: str = "--resume") -> dict:
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
         raise UsageError(f"{flag}: cannot read checkpoint {path}: {first_line(e)}") from None
-    where, saved = f"{flag}: {path}", ckpt.get("args") if isinstance(ckpt, dict) else None
+    where = f"{flag}: {path}"
+    saved = ckpt.get("args") if isinstance(ckpt, dict) else None
     check(isinstance(saved, dict), f"{where} holds no flags; it is not a {SCRIPT} checkpoint")
-    check(ckpt.get("script", SCRIPT) == SCRIPT, f"{where} was written by {ckpt.get('script')}")
+    script = ckpt.get("script", SCRIPT)
+    check(script == SCRIPT, f"{where} was written by {script}")
     error = flag_error(saved)
     check(error is None, f"{where} is not a {SCRIPT} checkpoint of this version ({error})")
     needed = {"agent", "optimizer", "iteration", "global_step", "rng", "norm", "running_return"}
@@ -599,7 +725,7 @@ def load_checkpoint(path: str | Path, flag: str = "--resume") -> dict:
     return ckpt
 
 
-def load_networks(agent: Agent, ckpt: dict, path: str, flag: str, env_id: str) -> None:
+def load_networks(agent: Agent, ckpt: dict, path: str, *, flag: str, env_id: str) -> None:
     """Load the checkpoint's networks into ``agent``, before any vector env is made."""
     try:
         agent.load_state_dict(ckpt["agent"])
@@ -612,15 +738,20 @@ def first_non_finite(obj, path: str = "") -> str | None:
     dicts, lists and tuples that holds a NaN or an inf; None when all are finite."""
     if isinstance(obj, dict | list | tuple):
         items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        found = (first_non_finite(v, f"{path}.{k}" if path else str(k)) for k, v in items)
-        return next((p for p in found if p is not None), None)
-    if isinstance(obj, np.ndarray | np.floating) and obj.dtype.kind == "f":
+        for key, value in items:
+            key_path = f"{path}.{key}" if path else str(key)
+            found = first_non_finite(value, key_path)
+            if found is not None:
+                return found
+        return None
+    numpy = isinstance(obj, np.ndarray | np.floating)
+    if numpy and obj.dtype.kind == "f":
         obj = torch.from_numpy(np.asarray(obj))
     floats = isinstance(obj, torch.Tensor) and obj.is_floating_point()
     return path if floats and not torch.isfinite(obj).all() else None
 
 
-def check_finite(ckpt_path: Path, iteration: int, epoch: int, loss, grad_norm) -> None:
+def check_finite(loss, grad_norm, *, iteration: int, epoch: int, ckpt_path: Path) -> None:
     """Stop the run (one sync) before an optimizer step applies a NaN or an inf; non-finite
     weights, which finite steps can still reach, are refused by :func:`atomic_save`."""
     if not torch.isfinite(loss.detach() + grad_norm):
@@ -645,20 +776,25 @@ def atomic_save(obj: dict, path: Path) -> None:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         tmp.unlink(missing_ok=True)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+        why = first_line(e)
+        if isinstance(e, OSError) and e.strerror:
+            why = e.strerror
         raise UsageError(f"cannot write checkpoint {path}: {why}; {kept}") from None
 
 
-def run_state(agent, optimizer, envs, args: Args, iteration: int, global_step: int) -> dict:
+def run_state(agent, optimizer, envs, args: Args, *, iteration: int, global_step: int) -> dict:
     """Everything a resumed run or an evaluation needs: networks, optimizer, counters, the NumPy,
     torch and CUDA RNGs, the normalisation statistics, the reward scaler's running return per env,
     the flags."""
     rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state())
     rng["cuda"] = torch.cuda.get_rng_state_all()  # [] without CUDA
     state = dict(agent=agent.state_dict(), optimizer=optimizer.state_dict(), rng=rng, script=SCRIPT)
-    state |= dict(iteration=iteration, global_step=global_step, norm=get_norm_state(envs))
-    running_return = np.array(envs.normalizers[1].accumulated_reward)
-    return state | dict(running_return=running_return, args=dataclasses.asdict(args))
+    state["iteration"] = iteration
+    state["global_step"] = global_step
+    state["norm"] = get_norm_state(envs)
+    state["running_return"] = np.array(envs.normalizers[1].accumulated_reward)
+    state["args"] = dataclasses.asdict(args)
+    return state
 
 
 def resume_from(ckpt: dict, optimizer, envs, args: Args):
@@ -675,9 +811,10 @@ def resume_from(ckpt: dict, optimizer, envs, args: Args):
     next_obs, _ = envs.reset(seed=args.seed + ckpt["global_step"])
     set_norm_state(envs, ckpt["norm"])
     envs.normalizers[1].accumulated_reward[:] = ckpt["running_return"]
-    np.random.set_state(ckpt["rng"]["numpy"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    torch.cuda.set_rng_state_all(ckpt["rng"].get("cuda", []))  # none without CUDA
+    rng = ckpt["rng"]
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state_all(rng.get("cuda", []))  # none without CUDA
     return ckpt["iteration"] + 1, ckpt["global_step"], next_obs
 
 
@@ -686,9 +823,11 @@ def make_writer(run_dir: Path, args: Args, purge_step: int | None) -> SummaryWri
     ``purge_step`` (a resumed run's first step) drops what the killed run logged from it on;
     TensorBoard purges only what it read first, reading files in name order
     (``events.out.tfevents.<second>...``), so the new file is made in a later second."""
-    seconds = [int(f.name.split(".")[3]) for f in run_dir.glob("events.out.tfevents.*")]
-    while purge_step is not None and seconds and int(time.time()) <= max(seconds):
-        time.sleep(0.05)
+    event_files = run_dir.glob("events.out.tfevents.*")
+    seconds = [int(f.name.split(".")[3]) for f in event_files]
+    if purge_step is not None and seconds:
+        while int(time.time()) <= max(seconds):
+            time.sleep(0.05)
     writer = SummaryWriter(str(run_dir), purge_step=purge_step)
     (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2))
     return writer

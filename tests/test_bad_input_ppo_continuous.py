@@ -317,7 +317,7 @@ def _forbid(*_, **__):
 
 @pytest.mark.parametrize("argv, expected, stage", CASES, ids=[" ".join(c[0])[:60] for c in CASES])
 def test_bad_input_is_one_line_and_keeps_the_checkpoint(
-    argv, expected, stage, files, capsys, monkeypatch
+    argv, expected, stage, *, files, capsys, monkeypatch
 ):
     monkeypatch.chdir(files["root"])
     if stage in (CHEAP, ENV):

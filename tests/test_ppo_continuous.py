@@ -82,7 +82,15 @@ def test_gae_hand_computed_truncation_termination_and_autoreset():
     dones = np.array([[0, 0], [1, 0], [0, 0], [1, 0]], np.float32)
     gamma, lam = 0.9, 0.8  # gamma * lambda = 0.72
 
-    adv, ret = pc.compute_gae(rewards, values, next_values, terminations, dones, gamma, lam)
+    adv, ret = pc.compute_gae(
+        rewards,
+        values,
+        next_values,
+        terminations=terminations,
+        dones=dones,
+        gamma=gamma,
+        gae_lambda=lam,
+    )
     # by hand: delta0 = 1 + 0.9*1.0 - 0.5 = 1.4; delta1 = 2 + 0.9*3.0 - 1.0 = 3.7 (bootstrapped
     # from the final observation); A1 = 3.7 (episode ended); A0 = 1.4 + 0.72*3.7 = 4.064;
     # A3 = 4 - 0.2 = 3.8 (terminal: no bootstrap from V(s4) = 7).
@@ -94,12 +102,14 @@ def test_gae_hand_computed_truncation_termination_and_autoreset():
     np.testing.assert_allclose(ret, adv + values, atol=0)
 
     # CleanRL's convention (--no-bootstrap-truncation): truncation treated as termination
-    adv_c, _ = pc.compute_gae(rewards, values, next_values, dones, dones, gamma, lam)
+    adv_c, _ = pc.compute_gae(
+        rewards, values, next_values, terminations=dones, dones=dones, gamma=gamma, gae_lambda=lam
+    )
     assert adv_c[1, 0] == pytest.approx(2 - 1.0, abs=1e-5)  # delta1 = r1 - V(s1)
     assert adv_c[0, 0] == pytest.approx(1.4 + 0.72 * 1.0, abs=1e-5)
 
 
-def naive_gae(rewards, values, next_values, terminations, dones, gamma, lam):
+def naive_gae(rewards, values, next_values, *, terminations, dones, gamma, lam):
     """A_t = sum_l (gamma*lam)^l delta_{t+l}, summed until the episode ends (eq. 16, truncated)."""
     T, N = rewards.shape
     delta = rewards + gamma * next_values * (1 - terminations) - values
@@ -119,8 +129,9 @@ def test_gae_matches_naive_reference_on_random_data():
     rewards, values, next_values = (rng.normal(size=(T, N)).astype(np.float64) for _ in range(3))
     dones = (rng.random((T, N)) < 0.15).astype(np.float64)
     terminations = dones * (rng.random((T, N)) < 0.5)
-    adv, ret = pc.compute_gae(rewards, values, next_values, terminations, dones, 0.99, 0.95)
-    reference = naive_gae(rewards, values, next_values, terminations, dones, 0.99, 0.95)
+    kw = dict(terminations=terminations, dones=dones, gamma=0.99)
+    adv, ret = pc.compute_gae(rewards, values, next_values, gae_lambda=0.95, **kw)
+    reference = naive_gae(rewards, values, next_values, lam=0.95, **kw)
     np.testing.assert_allclose(adv, reference, atol=1e-10)
 
 
@@ -492,13 +503,13 @@ def test_ppo_loss_entropy_bonus_and_advantage_normalisation():
 
 def test_compiled_loss_matches_eager(tmp_path):
     agent, obs, actions, old_logprobs, v = _loss_batch()
-    args = (agent, (obs, actions, old_logprobs, torch.tensor([1.0, -2.0]), v + 1, v - 0.5))
-    args += (0.2, 0.5, 0.01)
-    eager, _ = pc.ppo_loss(*args)
+    minibatch = (obs, actions, old_logprobs, torch.tensor([1.0, -2.0]), v + 1, v - 0.5)
+    coefs = dict(clip_coef=0.2, vf_coef=0.5, ent_coef=0.01)
+    eager, _ = pc.ppo_loss(agent, minibatch, **coefs)
     eager.backward()
     grads = [p.grad.clone() for p in agent.parameters()]
     agent.zero_grad()
-    compiled, _ = torch.compile(pc.ppo_loss)(*args)
+    compiled, _ = torch.compile(pc.ppo_loss)(agent, minibatch, **coefs)
     compiled.backward()
     assert compiled.item() == pytest.approx(eager.item(), abs=1e-6)
     for g, p in zip(grads, agent.parameters(), strict=True):
@@ -687,9 +698,10 @@ def test_non_finite_update_stops_the_run_before_anything_is_saved(tmp_path):
 def test_ppo_loss_needs_two_transitions_to_normalise():
     # why minibatches() keeps at least 2: one transition has no advantage std
     agent, obs, actions, old_logprobs, v = _loss_batch()
-    one = ((obs[:1], actions[:1], old_logprobs[:1], torch.ones(1), v[:1], v[:1]), 0.2, 0.5, 0.0)
-    assert torch.isnan(pc.ppo_loss(agent, *one)[0])
-    assert torch.isfinite(pc.ppo_loss(agent, *one, norm_adv=False)[0])
+    one = (obs[:1], actions[:1], old_logprobs[:1], torch.ones(1), v[:1], v[:1])
+    coefs = dict(clip_coef=0.2, vf_coef=0.5, ent_coef=0.0)
+    assert torch.isnan(pc.ppo_loss(agent, one, **coefs)[0])
+    assert torch.isfinite(pc.ppo_loss(agent, one, norm_adv=False, **coefs)[0])
 
 
 # ----------------------------------------------------------------------------------------------
