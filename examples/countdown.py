@@ -21,9 +21,11 @@ import json
 import random
 import re
 from fractions import Fraction
-from operator import add, mul, sub, truediv
+from operator import add, floordiv, mul, sub, truediv
 
 OPS = {ast.Add: add, ast.Sub: sub, ast.Mult: mul, ast.Div: truediv}
+INTEGER_OPS = {"+": add, "*": mul, "-": sub, "/": floordiv}
+ARITHMETIC_CHARACTERS = set("0123456789+-*/() ")
 ANSWER_BLOCK = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
 
 
@@ -40,10 +42,17 @@ def make_problems(num_problems: int = 10_000, seed: int = 1234) -> list[dict]:
         while len(pool) > 1:
             a, left = pool.pop(rng.randrange(len(pool)))
             b, right = pool.pop(rng.randrange(len(pool)))
-            ops = ["+"] + ["*"] * (a * b <= 1000) + ["-"] * (a > b) + ["/"] * (b > 1 and a % b == 0)
+            ops = ["+"]  # each step's value a positive integer, a product at most 1000
+            if a * b <= 1000:
+                ops.append("*")
+            if a > b:
+                ops.append("-")
+            if b > 1 and a % b == 0:
+                ops.append("/")
             op = rng.choice(ops)
-            left, right = (e if e.isdigit() else f"({e})" for e in (left, right))
-            value = {"+": a + b, "*": a * b, "-": a - b, "/": a // b}[op]
+            value = INTEGER_OPS[op](a, b)
+            left = _bracketed(left)
+            right = _bracketed(right)
             pool.append((value, f"{left} {op} {right}"))
         [(target, solution)] = pool
         question = (
@@ -51,10 +60,21 @@ def make_problems(num_problems: int = 10_000, seed: int = 1234) -> list[dict]:
             "Show your reasoning in <think> </think> tags, then write only the expression in "
             "<answer> </answer> tags, for example <answer> (1 + 2) * 3 </answer>."
         )
-        row = dict(question=question, answer=str(target), numbers=numbers, target=target)
+        answer = str(target)
+        row = dict(
+            question=question, answer=answer, numbers=numbers, target=target, solution=solution
+        )
         if 1 <= target <= 100:
-            problems.setdefault((tuple(sorted(numbers)), target), {**row, "solution": solution})
+            key = (tuple(sorted(numbers)), target)
+            problems.setdefault(key, row)
     return list(problems.values())
+
+
+def _bracketed(expression: str) -> str:
+    """A number as it is, anything longer in parentheses."""
+    if expression.isdigit():
+        return expression
+    return f"({expression})"
 
 
 def _value(node: ast.AST) -> Fraction:
@@ -62,7 +82,10 @@ def _value(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
     if isinstance(node, ast.BinOp) and type(node.op) in OPS:
-        return OPS[type(node.op)](_value(node.left), _value(node.right))
+        op = OPS[type(node.op)]
+        left = _value(node.left)
+        right = _value(node.right)
+        return op(left, right)
     raise ValueError("not arithmetic")
 
 
@@ -70,11 +93,15 @@ def arithmetic(text: str) -> tuple[Fraction, list[int]] | None:
     """(exact value, integers as written) of integers, ``+ - * / × ÷`` and parentheses (no unary
     minus, ``**``, names or decimals), parsed with :mod:`ast`; else None, as for a division by zero
     or over 1,000 characters. White space of any kind separates tokens."""
-    text = " ".join(text.replace("×", "*").replace("÷", "/").split())
-    if not text or len(text) > 1000 or not set(text) <= set("0123456789+-*/() "):
+    text = text.replace("×", "*").replace("÷", "/")
+    text = " ".join(text.split())
+    if not text or len(text) > 1000 or not set(text) <= ARITHMETIC_CHARACTERS:
         return None
     try:
-        return _value(ast.parse(text, mode="eval").body), [int(n) for n in re.findall(r"\d+", text)]
+        tree = ast.parse(text, mode="eval")
+        value = _value(tree.body)
+        integers = [int(n) for n in re.findall(r"\d+", text)]
+        return value, integers
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
         return None
 
@@ -86,9 +113,13 @@ def expression(completion: str) -> str | None:
     if blocks:
         return blocks[-1].strip()
     lines = [line for line in completion.splitlines() if line.strip()]
-    runs = re.split(r"[^0-9+\-*/()×÷= \t]+", lines[-1]) if lines else []
+    if not lines:
+        return None
+    runs = re.split(r"[^0-9+\-*/()×÷= \t]+", lines[-1])
     runs = [run for run in runs if any(c.isdigit() for c in run)]
-    return runs[-1].strip() if runs else None
+    if not runs:
+        return None
+    return runs[-1].strip()
 
 
 def correct(completion: str, example: dict) -> bool:
@@ -100,16 +131,22 @@ def correct(completion: str, example: dict) -> bool:
         return False
     first, *claims = text.split("=")
     parsed = arithmetic(first)
-    if parsed is None or sorted(parsed[1]) != sorted(example["numbers"]):
+    if parsed is None:
         return False
-    values = [arithmetic(side) for side in claims if side.strip()]
-    return parsed[0] == example["target"] and all(v and v[0] == parsed[0] for v in values)
+    value, integers = parsed
+    if sorted(integers) != sorted(example["numbers"]):
+        return False
+    claimed = [arithmetic(side) for side in claims if side.strip()]
+    claims_hold = all(claim and claim[0] == value for claim in claimed)
+    return value == example["target"] and claims_hold
 
 
 def reward(completion: str, example: dict) -> float:
     """1.0 when :func:`correct`, + 0.1 for an ``<answer>`` block (TinyZero: 1.0 or 0.1; here they
     add up): 0.0, 0.1, 1.0 or 1.1."""
-    return float(correct(completion, example)) + 0.1 * bool(ANSWER_BLOCK.search(completion))
+    is_correct = correct(completion, example)
+    has_block = bool(ANSWER_BLOCK.search(completion))
+    return float(is_correct) + 0.1 * has_block
 
 
 if __name__ == "__main__":
@@ -118,7 +155,8 @@ if __name__ == "__main__":
     parser.add_argument("--num-problems", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
-    rows = make_problems(args.num_problems, args.seed)
+    rows = make_problems(args.num_problems, seed=args.seed)
     with open(args.out, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
     print(f"wrote {len(rows)} problems to {args.out}")

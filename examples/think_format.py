@@ -31,7 +31,10 @@ def format_reward(completion: str, example: dict) -> float:
     if any(completion.count(tag) != 1 for tag in TAGS):
         return 0.0
     match = THINK_ANSWER.fullmatch(completion)
-    return float(match is not None and bool(match.group(2).strip()))
+    if match is None:
+        return 0.0
+    answer = match.group(2).strip()
+    return float(bool(answer))
 
 
 def answer_reward(completion: str, example: dict) -> float:
@@ -40,5 +43,10 @@ def answer_reward(completion: str, example: dict) -> float:
     a number raises ValueError, which stops the run with a line naming this function."""
     answer = float(str(example["answer"]).replace(",", ""))
     blocks = ANSWER_BLOCK.findall(completion)
-    numbers = NUMBER.findall(blocks[-1]) if blocks else []
-    return float(bool(numbers) and abs(float(numbers[-1].replace(",", "")) - answer) < 1e-6)
+    if not blocks:
+        return 0.0
+    numbers = NUMBER.findall(blocks[-1])
+    if not numbers:
+        return 0.0
+    last = float(numbers[-1].replace(",", ""))
+    return float(abs(last - answer) < 1e-6)
