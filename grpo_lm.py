@@ -10,22 +10,30 @@ frozen reference (eq. 3, 4); no value model:
   ratio_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t),
   KL_it    = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                                     (eq. 4)
 
-With --mu 1 pi_old = pi_theta and ratio_it = 1 (its gradient is still eq. 3's); with --mu > 1 the
-old log probs are stored once before the first of the mu updates.
+Read from the top down to the end of main(): Args (each flag's constraint beside it); Batch (the
+samples of lines 5-8); ALGO LOGIC, the math (group_advantages §4.1.2, process_advantages §4.1.3,
+token_log_probs, kl_estimate eq. 4, grpo_loss eq. 3, aggregate); main(), Algorithm 1 line by line,
+its two loops the paper's (for iteration: reference <- policy; for step: sample, reward, advantages,
+mu updates), each extension behind an `if args.<flag>:` with its source. Below main(): lines 5-8
+(sample_and_score, reward), DeepSeekMath's extensions (process supervision §4.1.3, iterative RL with
+a retrained reward model §4.1.4), the later variants (Dr. GRPO arXiv 2503.20783, DAPO 2503.14476,
+GSPO 2507.18071, CISPO 2506.13585, RLOO, REINFORCE++), micro-batches, then the run plumbing.
 
-Read from the top down to the end of main(): Args; Batch (steps 1-2's samples); ALGO LOGIC, the
-math (group_advantages §4.1.2, token_log_probs, kl_estimate eq. 4, grpo_loss eq. 3, aggregate);
-main(), Algorithm 1 step by step. Below main(): steps 1-2 (sample_and_score, reward), then each
-extension in a labelled section, reaching the loop through one line tagged with its source:
-process supervision (§4.1.3) and iterative RL with a retrained reward model (§4.1.4); Dr. GRPO
-(arXiv 2503.20783), DAPO (arXiv 2503.14476), GSPO (arXiv 2507.18071); micro-batches; then the
-run plumbing. Every flag defaults to the paper's GRPO (eq. 3, beta 0.04, eq. 4's k3 to a frozen
-reference) unless its value cannot work at this scale: learning rate 1e-5 (1e-6 barely moves a 135M
-model in 36 steps), G = 8 outputs of 8 questions a step (the paper: 64 of 1,024), 20 new tokens
-(1,024; the sums take 12-16), 36 steps, the task's verifiable reward instead of a reward model,
-KL and ratio between temperature-scaled distributions. --beta 0 (TRL's default) runs faster: no
-reference model, groups of equal rewards skipped. Open choices: process supervision makes the final
-answer a step with the outcome reward; the iterative reward model regresses (MSE) on it.
+Where this file departs from the paper (every flag defaults to the paper's GRPO otherwise):
+- Scale: learning rate 1e-5 (the paper's 1e-6 barely moves a 135M model in 36 steps), G = 8
+  outputs of 8 questions a step (64 of 1,024), at most 20 new tokens (1,024; the sums take 12-16),
+  36 steps; the task's verifiable reward instead of a reward model.
+- The ratio, the KL and the entropy are of temperature-scaled distributions, softmax(logits / T),
+  the distribution the outputs were sampled from.
+- The advantage divides by the group's unbiased std plus 1e-4, so a group of equal rewards gets 0.
+- With --mu 1, pi_old is pi_theta: the ratio is exp(logp - logp.detach()) = 1, whose gradient is
+  eq. 3's; no old log probs are computed. With --mu > 1 they are computed once before the first
+  update. With --mu > 1 the k3 term, as in the paper, lacks the weight pi_theta / pi_old.
+- Process supervision (§4.1.3) makes the final answer one more step with the outcome reward; the
+  iterative reward model (§4.1.4) regresses (MSE) on the verifiable reward; line 12 (its training)
+  runs at the end of each iteration's last step, before that step's checkpoint, which so holds it.
+- Rows whose every loss term is exactly 0 are left out of the forward and backward passes (same
+  loss and gradient, less compute); with --beta 0 (TRL's default) there is no reference model.
 
 Several GPUs (as nanoGPT): `torchrun --nproc_per_node K grpo_lm.py ...` gives each process whole
 groups of the global --prompts-per-step, normalises every loss by global counts and sums gradients
@@ -41,7 +49,7 @@ import dataclasses
 import math
 import re
 import time
-from operator import add, mul, sub, truediv
+from operator import add, mul, neg, sub, truediv
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -72,6 +80,8 @@ class Args:
     task: Literal["addition", "multistep"] = "addition"
     # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
+    # JSONL file of the held-out questions, same fields (default: --eval-size cut from the data)
+    eval_dataset: str | None = None
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
@@ -79,6 +89,8 @@ class Args:
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
+    # what counts as right: file.py:function(response, example) -> bool (default: the task's check)
+    correct_fn: str | None = None
     # system message before every question (default: none)
     system_prompt: str | None = None
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
@@ -188,7 +200,8 @@ class Args:
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 16
-    # groups per sampling call (0 = all of a process's); samples depend on --seed, step and groups
+    # groups per sampling call (0 = all of a process's): memory, never the samples, which depend on
+    # --seed, the step and each row's place in the batch alone
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
     # optimizer, LM head and log-softmax stay float32); float32 elsewhere
@@ -199,8 +212,9 @@ class Args:
 
 @dataclasses.dataclass
 class Batch:
-    """Steps 1-2, this process's share: N = B * G completions (a question's G contiguous) of at
-    most T tokens, their prompts of at most P tokens, and their rewards (set by :func:`reward`)."""
+    """Lines 5-8 of Algorithm 1, this process's share: N = B * G completions (a question's G
+    contiguous) of at most T tokens, their prompts of at most P tokens, and their rewards (set by
+    :func:`reward`)."""
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
@@ -227,380 +241,41 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def group_advantages(rewards, group, eps=1e-4, scale=None, baseline="grpo", batch=None):
+def group_advantages(rewards, group, *, scale=None, baseline="grpo", batch=None, eps=1e-4):
     """Outcome supervision (§4.1.2): (S,) ``(r_i - mean(r)) / (std(r) + eps)`` of the (S,)
     ``rewards`` in each one's group (``group``: (S,) long; unbiased std), for every token of o_i.
     --advantage ``baseline``: the group's mean (``"grpo"``; equal rewards get 0), the mean of its
     other n-1, ``n/(n-1) (r_i - mean(r))`` (``"rloo"``, arXiv 2402.14740) or the batch's
     (``"reinforce++"``, arXiv 2501.03262). ``scale``: the std of the ``"group"``, the ``"batch"``
     (``batch``: every process's rewards, default ``rewards``) or ``"none"`` (Dr. GRPO, 2503.20783
-    §3.1); None: the baseline's own (grpo: group, rloo: none, reinforce++: batch)."""
-    scale = scale or dict(grpo="group", rloo="none", **{"reinforce++": "batch"})[baseline]
-    batch = rewards if batch is None else batch
-    n = torch.bincount(group)[group].to(rewards.dtype)  # the size of each one's group
-    group_sum = lambda x: torch.zeros_like(x).index_add_(0, group, x)[group]  # noqa: E731
+    §3.1); None: the baseline's own (grpo: group, rloo: none, reinforce++: batch). ``eps`` keeps
+    a group of equal rewards finite. Process supervision normalises step rewards with it too."""
+    if scale is None:
+        scale = {"grpo": "group", "rloo": "none", "reinforce++": "batch"}[baseline]
+    if batch is None:
+        batch = rewards
+
+    def group_sum(x):  # (S,): the sum of x over each one's group
+        return torch.zeros_like(x).index_add_(0, group, x)[group]
+
+    sizes = torch.bincount(group)  # of each group
+    n = sizes[group].to(rewards.dtype)  # the size of each one's group
     centred = rewards - group_sum(rewards) / n  # r_i - mean(r)
-    std = dict(group=(group_sum(centred**2) / (n - 1)).sqrt(), batch=batch.std(), none=None)[scale]
-    if baseline != "grpo":  # rloo: n/(n-1) times it; reinforce++: r_i - the batch's mean
-        centred = centred * n / (n - 1) if baseline == "rloo" else rewards - batch.mean()
-    return centred if scale == "none" else centred / (std + eps)
+    if scale == "group":
+        variance = group_sum(centred**2) / (n - 1)  # unbiased
+        std = variance.sqrt()
+    if scale == "batch":
+        std = batch.std()
+    if baseline == "rloo":  # r_i - the mean of the other n - 1
+        centred = centred * n / (n - 1)
+    if baseline == "reinforce++":  # r_i - the batch's mean
+        centred = rewards - batch.mean()
+    if scale == "none":
+        return centred
+    return centred / (std + eps)
 
 
-class MicroBatch(NamedTuple):
-    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (G share each)."""
-
-    prompt_ids: torch.Tensor  # (U, P) the distinct prompts, left-padded
-    prompt_mask: torch.Tensor  # (U, P) 1 for real prompt tokens
-    prompt_index: torch.Tensor  # (b,) long: the row of prompt_ids each completion continues
-    completion_ids: torch.Tensor  # (b, T) the completions
-    completion_mask: torch.Tensor  # (b, T) long, 1 up to and including the first EOS
-
-
-def token_log_probs(model, mb: MicroBatch, temperature, share_prompt=True, entropy_coef=None):
-    """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
-    ``model``; with ``entropy_coef`` also their (b, T) entropy, differentiable if it is not 0.
-    ``share_prompt``: each distinct prompt goes through the model once and its keys and values (with
-    their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
-    float rounding, for 1/G of the prompt's compute (off under gradient checkpointing, which drops
-    the cache). Position ids count real tokens only, as in generation; the LM head runs in float32
-    also under bf16 autocast (``common.float32_lm_head``)."""
-    P, T = mb.prompt_ids.shape[1], mb.completion_ids.shape[1]
-    mask = torch.cat([mb.prompt_mask[mb.prompt_index], mb.completion_mask], 1)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    with common.float32_lm_head(model):
-        if share_prompt:
-            prompt = dict(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask)
-            prompt["position_ids"] = (mb.prompt_mask.cumsum(1) - 1).clamp(min=0)
-            prefix = model(**prompt, logits_to_keep=1, use_cache=True)
-            logits = prefix.logits[mb.prompt_index]  # (b, 1, V): the first completion token's
-            if T > 1:  # the prompts' keys and values, (U, ...) -> (b, ...), differentiable
-                (cache := prefix.past_key_values).batch_select_indices(mb.prompt_index)
-                rest = dict(input_ids=mb.completion_ids[:, :-1], use_cache=True)
-                rest |= dict(attention_mask=mask[:, :-1], position_ids=positions[:, P:-1])
-                logits = torch.cat([logits, model(**rest, past_key_values=cache).logits], 1)
-        else:
-            ids = torch.cat([mb.prompt_ids[mb.prompt_index], mb.completion_ids], 1)
-            whole = dict(attention_mask=mask, position_ids=positions, use_cache=False)
-            logits = model(input_ids=ids, **whole, logits_to_keep=T + 1).logits[:, :-1]  # t -> t+1
-    logp, H = [], []  # a row at a time: 2.5 (b, T, V) copies at the peak, not 5 (all rows at once)
-    for z, row in zip(logits.float().split(1), mb.completion_ids.split(1), strict=True):
-        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, row[..., None])[..., 0])
-        if entropy_coef is not None:  # with its gradient only for a bonus (0: logged only)
-            H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))
-    return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
-
-
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """(B, T) per-token estimate of KL(pi_theta || pi_ref) from the (B, T) log probs of tokens
-    sampled from pi_theta, ``r = pi_ref / pi_theta`` (Schulman 2020): ``k1 = -log r`` (unbiased),
-    ``k2 = (log r)^2 / 2`` (biased, >= 0), ``k3 = r - log r - 1`` (unbiased, >= 0; eq. 4). In the
-    loss (d/dlogp: k1 1, k2 ``-log r``, k3 ``1 - r``) the expected gradient is that of KL(pi_ref ||
-    pi_theta) for k3 (the paper's and TRL's choice), of KL(pi_theta || pi_ref) for k2, 0 for k1;
-    with --mu > 1 (tokens from pi_old) each term lacks the weight pi_theta / pi_old (test_kl.py)."""
-    log_ratio = ref_logp - logp  # log r
-    k = dict(k1=-log_ratio, k2=log_ratio**2 / 2, k3=torch.exp(log_ratio) - log_ratio - 1)
-    return k[estimator]
-
-
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, clip_range, beta, num_sequences,
-              entropy=None, *, loss_type="grpo", clip_range_high=None, level="token",
-              num_tokens=None, max_length=None, kl_estimator="k3", entropy_coef=0.0):  # fmt: skip
-    """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
-
-    Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL + entropy_coef *
-    H`` (eq. 3, 4; ``eps_high = clip_range_high``, DAPO §3.1 clip-higher, default eps), summed as
-    :func:`aggregate` says; ``ratio = exp(logp - old_logp)`` (mu = 1: old_logp = ``logp.detach()``),
-    GSPO (arXiv 2507.18071 §4, ``level="sequence"``) ``exp(mean_t(logp - old_logp))`` per sequence.
-    CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4) ``sg(min(ratio, 1 + eps_high)) * A * logp`` instead
-    of the min: every token keeps its gradient. Masked positions never reach ``exp``.
-
-    Args:
-        logp, old_logp, ref_logp: (b, T) log probs under the policy (with grad), pi_old and the
-            reference (None with ``beta == 0``).
-        advantages: (b,) one per sequence (outcome) or (b, T) one per token (process).
-        mask: (b, T) 1 for the tokens in the loss; num_sequences etc.: see :func:`aggregate`.
-        entropy: (b, T) the policy's entropy H at each position (with grad; read if entropy_coef).
-    Returns:
-        (loss, stats): the loss and detached per-token sums and extremes, for logging (clipped_high:
-        A > 0, ratio > 1 + eps_high; clipped_low: A < 0, ratio < 1 - eps)."""
-    valid = mask.bool()
-    log_ratio = torch.where(valid, logp - old_logp, 0.0)
-    if level == "sequence":  # GSPO's s_i, (b, 1)
-        log_ratio = (log_ratio.sum(1) / mask.sum(1).clamp(min=1)).unsqueeze(1)
-    ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(1) if advantages.ndim == 1 else advantages
-    high = clip_range if clip_range_high is None else clip_range_high
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip_range, 1 + high) * adv)
-    if loss_type == "cispo":  # MiniMax-M1 eq. 4: REINFORCE with a clipped, detached IS weight
-        surrogate = torch.clamp(ratio, max=1 + high).detach() * adv * logp
-    ref = logp.detach() if ref_logp is None else torch.where(valid, ref_logp, logp.detach())
-    kl = kl_estimate(logp, ref, kl_estimator)  # 0 without a reference
-    per_token = surrogate - beta * kl if beta else surrogate  # KL in the loss (§4.1.1)
-    if entropy_coef:  # the entropy bonus (not in the paper)
-        per_token = per_token + entropy_coef * entropy
-    loss = aggregate(per_token, mask, num_sequences, loss_type, num_tokens, max_length)
-    with torch.no_grad():
-        above, below = (adv > 0) & (ratio > 1 + high), (adv < 0) & (ratio < 1 - clip_range)
-        ratio_max = ratio.expand_as(logp)[valid].max() if valid.any() else ratio.new_ones(())
-        stats = dict(kl=(kl * mask).sum(), clipped_high=(above * mask).sum(), tokens=mask.sum())
-    return loss, stats | dict(clipped_low=(below * mask).sum(), ratio_max=ratio_max)
-
-
-def aggregate(per_token, mask, num_sequences, loss_type="grpo", num_tokens=None, max_length=None):
-    """The negated sum of a micro-batch's (b, T) masked per-token terms of eq. 3, normalised so that
-    the micro-batch losses add up to the whole batch's (``num_sequences`` = B * G sequences):
-
-    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``.
-    - ``bnpo``: token mean within this micro-batch, times its share ``b / num_sequences`` of the
-      sequences (depends on micro-batching; ``dapo`` when one micro-batch holds the whole batch).
-    - ``dr_grpo``: token sum / (``num_sequences * max_length``), ``max_length`` the completions'
-      token cap (Dr. GRPO, arXiv 2503.20783 §3.1: eq. 3 without 1/|o_i|).
-    - ``dapo``, ``cispo``: token sum / ``num_tokens``, the whole batch's valid tokens (DAPO §3.3).
-    """
-    masked = per_token * mask
-    if loss_type == "grpo":
-        return -(masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    if loss_type == "bnpo":
-        return -masked.sum() / mask.sum().clamp(min=1) * (mask.shape[0] / num_sequences)
-    if loss_type == "dr_grpo":
-        return -masked.sum() / (num_sequences * max_length)
-    return -masked.sum() / max(float(num_tokens), 1.0)  # dapo, cispo
-
-
-# ----------------------------------------------------------------------------------------------
-# GRPO, DeepSeekMath §4.1 and Algorithm 1
-# ----------------------------------------------------------------------------------------------
-def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
-    """Train with GRPO; returns the per-step history of logged scalars (a dict of lists).
-
-    ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
-    ``step_reward_fn(completion, example) -> [(end character offset, reward), ...]`` gives the step
-    rewards of ``--supervision process`` (default :func:`arithmetic_step_rewards`: every
-    equation ``x op y = z`` checked). Under ``torchrun`` every process runs this function on its
-    share of the batch; the returned history holds the global values on every rank."""
-    validate(args)  # a bad flag, checkpoint, dataset or reward file: one line, before any load
-    checkpoint, model = resume_checkpoint(args), args.model_name_or_path  # --resume's, checked
-    name = f"{Path(args.dataset or args.task).stem}__grpo__{args.seed}__{int(time.time())}"
-    run_dir = common.make_run_dir(args.runs_dir, args.run_name or name, args.resume, args.eval_only)
-    fields = (args.prompt_field, args.answer_field, args.reward_fn, args.reward_weights)
-    task = task or tasks.task_of(args.task, args.dataset, *fields, args.eval_size)
-    tokenizer = common.load_tokenizer(model)
-    style = (args.system_prompt, args.response_prefix)  # every prompt's system message and prefix
-    if not args.eval_only:  # the training questions whose prompts fit
-        limits = (args.max_prompt_length, args.prompts_per_step, args.max_new_tokens)
-        questions = tasks.training_questions(task, tokenizer, style, *limits, model)
-    rank, world, device = common.start_processes(args.device)  # torchrun: each its share of a batch
-    torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
-
-    options = (tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size, style)
-    sampling = (args.eval_samples, args.temperature, args.top_p, args.seed)  # --eval-samples
-    held_out = lambda pi: tasks.held_out_accuracy(pi, *options, args.bf16, sampling)  # noqa: E731
-
-    # Algorithm 1's input: the initial policy pi_theta, the reference pi_ref (a frozen copy of it,
-    # §4.1.1; none with beta = 0) and the reward: the task's reward function or a reward model r_phi
-    lora = (args.lora_rank, args.lora_alpha, args.lora_target_modules) if args.lora_rank else None
-    policy = common.load_policy(model, device, lora, args.gradient_checkpointing)
-    if args.eval_only:  # no training: the held-out accuracy of --resume's policy or of the model
-        return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
-    bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16)  # bf16 weights: no reset
-    reference = common.load_reference(policy, model, device, lora, bf16) if args.beta > 0 else None
-    reward_model, rm_training = make_reward_model(args, tokenizer, device)  # §4.1.4: and training
-    trained, decay = [p for p in policy.parameters() if p.requires_grad], args.weight_decay
-    optimizer = torch.optim.AdamW(trained, args.learning_rate, weight_decay=decay, fused=True)
-    start_step = restore(checkpoint, args, policy, optimizer, reference, rm_training)  # 0: new run
-    bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
-    log_args = (rank, start_step, checkpoint is not None, "grpo", bar, args.track)
-    log = common.RunLog(run_dir, dataclasses.asdict(args), *log_args)
-    sampler = Sampler(policy, tokenizer, questions, task, reward_model, rank, world)
-    log.evaluate(0, args.eval_size > 0 and not checkpoint, lambda: held_out(policy)[0])  # start
-    common.rng_state(checkpoint["rng"]) if checkpoint else None  # last: loading must not shift it
-
-    G, B = args.group_size, args.prompts_per_step // world  # B questions per process
-    N, N_all = B * G, args.prompts_per_step * G  # this process's outputs, all processes' outputs
-    steps_per_iteration = args.total_steps // args.iterations  # one iteration of Algorithm 1
-    shared = not args.gradient_checkpointing  # each prompt once (checkpointing drops the cache)
-    temperature, eps, beta = args.temperature, args.clip_range, args.beta  # T; eq. 3's eps, beta
-    # eq. 3's variants: loss_type (Dr. GRPO, DAPO), clip-higher (DAPO), level (GSPO), L (Dr. GRPO)
-    variants = dict(loss_type=args.loss_type, clip_range_high=args.clip_range_high)
-    variants |= dict(level=args.importance_sampling_level, max_length=args.max_new_tokens)
-    variants |= dict(kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef)
-    for step in log.progress(start_step, args.total_steps):
-        t0 = time.time()
-        # ---- 0. Algorithm 1: each iteration starts with reference <- policy ----
-        if reference is not None and step > 0 and step % steps_per_iteration == 0:
-            reference.load_state_dict(policy.state_dict())
-
-        # ---- 1. Sample B questions, G outputs o_i of each from pi_old = the policy, at T ----
-        # ---- 2. and their rewards r_i: the task's reward functions, or the reward model ----
-        batch = sample_and_score(sampler, args, device, step)  # Batch: o_i and r_i (reward())
-        if args.dynamic_sampling:  # DAPO §3.2: only groups whose rewards differ
-            batch = dynamic_sampling(batch, sampler, args, device, step)
-        # DAPO §3.4, soft overlong punishment (0 with --overlong-buffer 0):
-        penalty = overlong_penalty(batch.completion_mask, args.max_new_tokens, args.overlong_buffer)
-        batch.rewards = batch.rewards + penalty  # a new tensor: batch.verifiable stays the task's
-        rewards = common.all_gather(batch.rewards)  # (N_all,) every process's r_i, group order
-        rm_training.add(batch) if rm_training else None  # Algorithm 1 / §4.1.4: the RM's samples
-        gen_time = time.time() - t0
-
-        # ---- 3. Advantages: A_i,t = (r_i - mean(r)) / std(r) of its group, every t (§4.1.2) ----
-        baselines = dict(scale=args.scale_rewards, baseline=args.advantage)  # --advantage
-        advantages = group_advantages(rewards, torch.arange(N_all) // G, **baselines)  # groups of G
-        advantages = advantages[rank * N : rank * N + N].to(device)  # this process's groups
-        if args.supervision == "process":  # §4.1.3: sums of the normalised step rewards from t on
-            steps = step_reward_fn or arithmetic_step_rewards
-            advantages = process_supervision(batch, tokenizer, steps, args, device)
-
-        # ---- 4. Old and reference log probs of the sampled tokens (no grad) ----
-        keep = ~batch.truncated[:, None] if args.mask_truncated_completions else 1.0  # DAPO §3.4:
-        loss_mask = batch.completion_mask * keep  # overlong filtering, none of a truncated one
-        other_weights = beta + args.entropy_coef  # of every term but A's: KL, entropy (each >= 0)
-        rows = rows_with_a_gradient(advantages, loss_mask, other_weights, args.loss_type, G)
-        micro_batches = list(plan_micro_batches(batch, args.micro_batch_size, G, device, rows))
-        old_logp = torch.zeros_like(loss_mask)
-        ref_logp = torch.zeros_like(loss_mask) if reference is not None else None
-        with torch.no_grad(), common.bf16_autocast(device, args.bf16):  # --bf16 (CUDA, AVX512-BF16)
-            for idx, t, mb in micro_batches:
-                if args.mu > 1:  # with mu = 1, pi_old = pi_theta: logp.detach() below
-                    old_logp[idx, :t] = token_log_probs(policy, mb, temperature, shared)
-                if reference is not None:
-                    ref_logp[idx, :t] = token_log_probs(reference, mb, temperature, shared)
-
-        # ---- 5. mu GRPO iterations: maximise eq. 3 (gradients accumulated over micro-batches) ----
-        # The ratio uses step 4's old_logp: pi_old stays the sampling policy for all mu updates.
-        variants["num_tokens"] = common.all_reduce(loss_mask.sum()).item()  # the global batch's
-        loss_stats = []  # grpo_loss's stats of each micro-batch, for step_metrics
-        for _ in range(args.mu):
-            optimizer.zero_grad(set_to_none=True)
-            policy.train(args.gradient_checkpointing)  # HF recomputes activations in train mode
-            for idx, t, mb in micro_batches:
-                with common.bf16_autocast(device, args.bf16):
-                    logp, H = token_log_probs(policy, mb, temperature, shared, args.entropy_coef)
-                old = old_logp[idx, :t] if args.mu > 1 else logp.detach()
-                ref = ref_logp[idx, :t] if ref_logp is not None else None
-                adv = advantages[idx] if advantages.ndim == 1 else advantages[idx, :t]
-                mask = loss_mask[idx, :t]
-                loss, stats = grpo_loss(logp, old, ref, adv, mask, eps, beta, N_all, H, **variants)
-                loss.backward()
-                stats.update(loss=loss.detach(), entropy=(H.detach() * mask).sum())
-                loss_stats.append(stats)
-            policy.eval()
-            common.all_reduce_gradients(policy.parameters())  # torchrun: DDP's all-reduce
-            grad_norm = common.clip_gradients(trained, args.max_grad_norm, step)  # finite, or stop
-            optimizer.step()
-
-        # ---- 6. Algorithm 1: after an iteration, train the reward model (samples + replay) ----
-        if rm_training and (step + 1) % steps_per_iteration == 0:
-            log(step + 1, rm_training.train(step))
-
-        # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        log(step + 1, step_metrics(args, batch, rewards, loss_stats, grad_norm, t0, gen_time))
-        log.samples(step + 1, sample_lines(batch, G), args.sample_every)
-        due = step + 1 == args.total_steps or args.eval_every and (step + 1) % args.eval_every == 0
-        log.evaluate(step + 1, args.eval_size > 0 and due, lambda: held_out(policy)[0])
-        save_checkpoint(log, step + 1, args, policy, optimizer, reference, rm_training)
-    log.close()
-    if rank == 0 and args.total_steps > start_step:
-        common.save_pretrained(policy, tokenizer, run_dir / "final_model")
-        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
-    common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
-    return log.history
-
-
-# ----------------------------------------------------------------------------------------------
-# Steps 1-2 of Algorithm 1: sample G outputs of each question from pi_old, and their rewards
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Sampler:
-    """What steps 1-2 sample with and score by."""
-
-    policy: Any  # pi_old: the policy as it is when the step starts
-    tokenizer: Any
-    questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
-    task: tasks.Task
-    reward_model: Any  # None: the task's verifiable reward
-    rank: int  # torchrun: this process samples the groups rank * B .. rank * B + B - 1 of each step
-    world: int
-
-
-def sample_and_score(sampler: Sampler, args: Args, device, step: int, round_: int = 0) -> Batch:
-    """Steps 1-2 for one draw of questions, from ``(--seed, step, round_)``: this process's B
-    questions, G completions of each from ``softmax(logits / T)`` (within the top-p nucleus), and
-    their rewards (:func:`reward`). Each sampling call of --generation-groups-per-call groups is
-    reseeded from ``(--seed, step, round_, global index of its first group)``: the samples do not
-    depend on how many processes share the batch."""
-    G, B, tokenizer = args.group_size, args.prompts_per_step // sampler.world, sampler.tokenizer
-    first, pad = sampler.rank * B, tokenizer.pad_token_id  # this process's groups: first + 0..B-1
-    rng = np.random.default_rng([args.seed, step] + ([round_] if round_ else []))
-    picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
-    examples = [sampler.questions[i] for i in picks[first : first + B] for _ in range(G)]
-    style = (args.system_prompt, args.response_prefix)
-    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples[::G]], *style)
-    options = (args.temperature, args.top_p, args.max_new_tokens, args.bf16)
-    seeds = ((args.seed, step, round_), first), args.generation_groups_per_call
-    rows = common.generate_completions(sampler.policy, prompts, G, tokenizer, options, *seeds)
-    prompt_ids, prompt_mask = common.pad_left([p for p in prompts for _ in range(G)], pad, device)
-    rows = [torch.tensor(row, device=device) for row in rows]  # padded after the EOS
-    completion_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
-    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    batch = Batch(prompt_ids, prompt_mask, completion_ids, mask, examples, texts)
-    batch.truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1)  # no EOS
-    return reward(batch, sampler, args, device, step)
-
-
-def reward(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
-    """Step 2: ``batch`` with its rewards, from the task's reward functions or the reward model, and
-    its ``verifiable``, ``correct`` and ``reward_fns``. A reward model trained from
-    the policy's backbone scores from iteration 2 on, once trained; until then the verifiable reward
-    does (Algorithm 1). Raises UsageError: a reward function raises or returns NaN or inf."""
-    texts = [args.response_prefix + c for c in batch.completions]  # what the rewards read
-    trained = args.reward_model_path is not None or step >= args.total_steps // args.iterations
-    by_model = sampler.reward_model is not None and trained
-    if not by_model or args.train_reward_model:  # --reward-fn: each function's own rewards too
-        batch.verifiable, batch.reward_fns = tasks.score_task(sampler.task, texts, batch.examples)
-    batch.rewards = batch.verifiable
-    if by_model:
-        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
-        mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
-        model, size = sampler.reward_model, args.micro_batch_size
-        batch.rewards = tasks.score_with_reward_model(model, ids, mask, size, device, args.bf16)
-    batch.correct = tasks.score_correct(sampler.task, texts, batch.examples)
-    return batch
-
-
-# ----------------------------------------------------------------------------------------------
-# DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL with its reward model §4.1.4
-# ----------------------------------------------------------------------------------------------
-def process_supervision(batch: Batch, tokenizer, step_reward_fn, args: Args, device):
-    """§4.1.3: (N, T) advantages on ``device`` from the steps that ``step_reward_fn(completion,
-    example) -> [(end character offset, reward), ...]`` checks in each completion, plus its final
-    answer as one more step with the outcome reward (:func:`process_advantages`); the ``process/*``
-    scalars (over every process) go to ``batch.scalars``. Raises UsageError: the function raises."""
-    (N, T), rewards, rows, ends = batch.completion_ids.shape, [], [], []
-    for i, (text, ex) in enumerate(zip(batch.completions, batch.examples, strict=True)):
-        n_i, ids = int(batch.completion_mask[i].sum()), batch.completion_ids[i].tolist()
-        try:
-            steps = [(int(end), float(r)) for end, r in step_reward_fn(text, ex)]
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - as a reward function's failure
-            failed = f"step reward function raised {type(e).__name__}: {e} on completion {i}"
-            raise UsageError(failed) from None
-        prefixes = [ids[: k + 1] for k in range(n_i)]  # a step ends where its characters are out
-        lengths = [len(p) for p in tokenizer.batch_decode(prefixes, skip_special_tokens=True)]
-        ends += [min(bisect.bisect_left(lengths, e), n_i - 1) for e, _ in steps] + [n_i - 1]
-        rewards += [r for _, r in steps] + [batch.rewards[i].item()]
-        rows += [i] * (len(steps) + 1)
-    G, batch_rewards = args.group_size, torch.tensor(common.all_gather_objects(rewards))
-    steps = torch.tensor(rewards), torch.tensor(rows), torch.tensor(ends)
-    baselines = dict(scale=args.scale_rewards, baseline=args.advantage, batch=batch_rewards)
-    advantages = process_advantages(*steps, N, T, G, **baselines)  # every process's step rewards
-    checked = [len(rewards) - N, sum(rewards) - batch.rewards.sum().item()]  # not final answers
-    checked, step_sum = common.all_reduce(torch.tensor(checked, dtype=torch.float64)).tolist()
-    batch.scalars["process/steps_per_completion"] = checked / (args.prompts_per_step * G)
-    batch.scalars["process/step_reward_mean"] = step_sum / max(checked, 1)
-    return advantages.to(device)
-
-
-def process_advantages(rewards, seq, end, num_sequences, num_tokens, group_size, **baselines):
+def process_advantages(rewards, seq, end, *, num_sequences, num_tokens, group_size, **baselines):
     """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``): the (S,)
     float ``rewards`` of every step of the G outputs of a question, step j in completion ``seq[j]``
     ending at its token ``end[j]`` ((S,) long), normalised together by :func:`group_advantages`
@@ -613,7 +288,664 @@ def process_advantages(rewards, seq, end, num_sequences, num_tokens, group_size,
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
 
 
-_OPS = {ast.Add: add, ast.Sub: sub, ast.Mult: mul, ast.Div: truediv, ast.USub: lambda x: -x}
+class MicroBatch(NamedTuple):
+    """:func:`token_log_probs`'s inputs: b completions of U distinct prompts (G share each)."""
+
+    prompt_ids: torch.Tensor  # (U, P) the distinct prompts, left-padded
+    prompt_mask: torch.Tensor  # (U, P) 1 for real prompt tokens
+    prompt_index: torch.Tensor  # (b,) long: the row of prompt_ids each completion continues
+    completion_ids: torch.Tensor  # (b, T) the completions
+    completion_mask: torch.Tensor  # (b, T) long, 1 up to and including the first EOS
+    rows: torch.Tensor | None = None  # (b,) long: the rows of the whole batch it holds
+
+    def take(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """This micro-batch's rows of a whole batch's (N,) or (N, T') tensor ``x``, cut to its T
+        completion tokens; None stays None."""
+        if x is None:
+            return None
+        if x.ndim == 1:
+            return x[self.rows]
+        return x[self.rows, : self.completion_ids.shape[1]]
+
+
+def token_log_probs(model, mb: MicroBatch, temperature, *, share_prompt=True, entropy_coef=None):
+    """(b, T) float32 ``log softmax(logits / temperature)`` of every completion token under
+    ``model``; with ``entropy_coef`` also their (b, T) entropy, differentiable if it is not 0.
+    ``share_prompt``: each distinct prompt goes through the model once and its keys and values (with
+    their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
+    float rounding, for 1/G of the prompt's compute (off under gradient checkpointing, which drops
+    the cache). Position ids count real tokens only, as in generation; the LM head runs in float32
+    also under bf16 autocast (``common.float32_lm_head``)."""
+    P = mb.prompt_ids.shape[1]
+    T = mb.completion_ids.shape[1]
+    prompt_mask = mb.prompt_mask[mb.prompt_index]  # (b, P): each completion's prompt's
+    mask = torch.cat([prompt_mask, mb.completion_mask], 1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with common.float32_lm_head(model):
+        if share_prompt:
+            prompt_positions = (mb.prompt_mask.cumsum(1) - 1).clamp(min=0)
+            prompt = dict(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask)
+            prefix = model(
+                **prompt, position_ids=prompt_positions, logits_to_keep=1, use_cache=True
+            )
+            logits = prefix.logits[mb.prompt_index]  # (b, 1, V): the first completion token's
+            if T > 1:  # the prompts' keys and values, (U, ...) -> (b, ...), differentiable
+                cache = prefix.past_key_values
+                cache.batch_select_indices(mb.prompt_index)
+                inputs = mb.completion_ids[:, :-1]  # token t - 1 predicts token t
+                rest = model(
+                    input_ids=inputs,
+                    attention_mask=mask[:, :-1],
+                    position_ids=positions[:, P:-1],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = torch.cat([logits, rest.logits], 1)
+        else:
+            prompt_ids = mb.prompt_ids[mb.prompt_index]
+            ids = torch.cat([prompt_ids, mb.completion_ids], 1)
+            whole = model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=T + 1,
+            )
+            logits = whole.logits[:, :-1]  # position t predicts token t + 1
+    # a row at a time: 2.5 (b, T, V) copies at the peak, not 5 (all rows at once)
+    log_probs = []
+    entropies = []
+    rows = zip(logits.float().split(1), mb.completion_ids.split(1), strict=True)
+    for row_logits, row_ids in rows:
+        row_logp = (row_logits / temperature).log_softmax(-1)  # (1, T, V)
+        sampled = row_logp.gather(2, row_ids[..., None])[..., 0]  # (1, T)
+        log_probs.append(sampled)
+        if entropy_coef is not None:
+            if not entropy_coef:  # logged only: no gradient
+                row_logp = row_logp.detach()
+            entropy = -(row_logp.exp() * row_logp).sum(-1)  # (1, T)
+            entropies.append(entropy)
+    if entropy_coef is None:
+        return torch.cat(log_probs)
+    return torch.cat(log_probs), torch.cat(entropies)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """(B, T) per-token estimate of KL(pi_theta || pi_ref) from the (B, T) log probs of tokens
+    sampled from pi_theta, ``r = pi_ref / pi_theta`` (Schulman 2020): ``k1 = -log r`` (unbiased),
+    ``k2 = (log r)^2 / 2`` (biased, >= 0), ``k3 = r - log r - 1`` (unbiased, >= 0; eq. 4). In the
+    loss (d/dlogp: k1 1, k2 ``-log r``, k3 ``1 - r``) the expected gradient is that of KL(pi_ref ||
+    pi_theta) for k3 (the paper's and TRL's choice), of KL(pi_theta || pi_ref) for k2, 0 for k1;
+    with --mu > 1 (tokens from pi_old) each term lacks the weight pi_theta / pi_old (test_kl.py)."""
+    log_ratio = ref_logp - logp  # log r
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return log_ratio**2 / 2
+    return torch.exp(log_ratio) - log_ratio - 1  # k3, eq. 4
+
+
+def grpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    *,
+    mask,
+    clip_range,
+    beta,
+    num_sequences,
+    entropy=None,
+    loss_type="grpo",
+    clip_range_high=None,
+    level="token",
+    num_tokens=None,
+    max_length=None,
+    kl_estimator="k3",
+    entropy_coef=0.0,
+):
+    """Negative GRPO objective (DeepSeekMath eq. 3) of a micro-batch, for gradient accumulation.
+
+    Per token ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) - beta * KL + entropy_coef *
+    H`` (eq. 3, 4; ``eps = clip_range``, ``eps_high = clip_range_high``, DAPO §3.1 clip-higher,
+    default eps), summed as :func:`aggregate` says; ``ratio = exp(logp - old_logp)``, GSPO (arXiv
+    2507.18071 §4, ``level="sequence"``) ``exp(mean_t(logp - old_logp))`` per sequence. CISPO
+    (MiniMax-M1, arXiv 2506.13585, eq. 4) ``sg(min(ratio, 1 + eps_high)) * A * logp`` instead of
+    the min: every token keeps its gradient. Masked positions never reach ``exp``.
+
+    Args:
+        logp: (b, T) log probs under the policy pi_theta (with grad).
+        old_logp: (b, T) log probs under pi_old (no grad); None with mu = 1, where pi_old is
+            pi_theta: ``logp.detach()``, a ratio of 1 with eq. 3's gradient.
+        ref_logp: (b, T) log probs under the reference (no grad); None with ``beta == 0``.
+        advantages: (b,) one per sequence (outcome) or (b, T) one per token (process).
+        mask: (b, T) 1 for the tokens in the loss; num_sequences etc.: see :func:`aggregate`.
+        entropy: (b, T) the policy's entropy H at each position (with grad; read if entropy_coef).
+    Returns:
+        (loss, stats): the loss and detached per-token sums and extremes, for logging (clipped_high:
+        A > 0, ratio > 1 + eps_high; clipped_low: A < 0, ratio < 1 - eps)."""
+    valid = mask.bool()
+    if old_logp is None:  # mu = 1: pi_old = pi_theta
+        old_logp = logp.detach()
+    log_ratio = torch.where(valid, logp - old_logp, 0.0)
+    if level == "sequence":  # GSPO's s_i, (b, 1)
+        lengths = mask.sum(1).clamp(min=1)
+        log_ratio = (log_ratio.sum(1) / lengths).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
+    if advantages.ndim == 1:  # outcome supervision: A_i for every token of o_i
+        advantages = advantages.unsqueeze(1)
+    high = clip_range if clip_range_high is None else clip_range_high
+    clipped_ratio = torch.clamp(ratio, 1 - clip_range, 1 + high)
+    surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
+    if loss_type == "cispo":  # MiniMax-M1 eq. 4: REINFORCE with a clipped, detached IS weight
+        weight = torch.clamp(ratio, max=1 + high).detach()
+        surrogate = weight * advantages * logp
+    reference = logp.detach()  # without a reference model the KL is 0
+    if ref_logp is not None:
+        reference = torch.where(valid, ref_logp, logp.detach())
+    kl = kl_estimate(logp, reference, kl_estimator)
+    per_token = surrogate
+    if beta:  # the KL in the loss (§4.1.1)
+        per_token = surrogate - beta * kl
+    if entropy_coef:  # the entropy bonus (not in the paper)
+        per_token = per_token + entropy_coef * entropy
+    loss = aggregate(
+        per_token,
+        mask,
+        num_sequences=num_sequences,
+        loss_type=loss_type,
+        num_tokens=num_tokens,
+        max_length=max_length,
+    )
+    with torch.no_grad():
+        above = (advantages > 0) & (ratio > 1 + high)
+        below = (advantages < 0) & (ratio < 1 - clip_range)
+        ratio_max = ratio.new_ones(())
+        if valid.any():
+            ratio_max = ratio.expand_as(logp)[valid].max()
+        stats = {"ratio_max": ratio_max, "tokens": mask.sum()}
+        stats["kl"] = (kl * mask).sum()
+        stats["clipped_high"] = (above * mask).sum()
+        stats["clipped_low"] = (below * mask).sum()
+    return loss, stats
+
+
+def aggregate(
+    per_token, mask, *, num_sequences, loss_type="grpo", num_tokens=None, max_length=None
+):
+    """The negated sum of a micro-batch's (b, T) masked per-token terms of eq. 3, normalised so that
+    the micro-batch losses add up to the whole batch's (``num_sequences`` = B * G sequences):
+
+    - ``grpo``: mean over each sequence's ``|o_i|`` tokens, sum over sequences / ``num_sequences``.
+    - ``bnpo``: token mean within this micro-batch, times its share ``b / num_sequences`` of the
+      sequences (depends on micro-batching; ``dapo`` when one micro-batch holds the whole batch).
+    - ``dr_grpo``: token sum / (``num_sequences * max_length``), ``max_length`` the completions'
+      token cap (Dr. GRPO, arXiv 2503.20783 §3.1: eq. 3 without 1/|o_i|).
+    - ``dapo``, ``cispo``: token sum / ``num_tokens``, the whole batch's valid tokens (DAPO §3.3).
+    """
+    masked = per_token * mask
+    if loss_type == "grpo":
+        lengths = mask.sum(1).clamp(min=1)  # |o_i|
+        return -(masked.sum(1) / lengths).sum() / num_sequences
+    if loss_type == "bnpo":
+        token_mean = masked.sum() / mask.sum().clamp(min=1)
+        return -token_mean * (mask.shape[0] / num_sequences)
+    if loss_type == "dr_grpo":
+        return -masked.sum() / (num_sequences * max_length)
+    return -masked.sum() / max(float(num_tokens), 1.0)  # dapo, cispo
+
+
+# ----------------------------------------------------------------------------------------------
+# GRPO, DeepSeekMath §4.1 and Algorithm 1
+# ----------------------------------------------------------------------------------------------
+def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
+    """Train with GRPO; returns the per-step history of logged scalars (a dict of lists).
+
+    ``task`` replaces the built-in task: any :class:`tasks.Task` with your own reward function.
+    ``step_reward_fn(response, example) -> [(end character offset, reward), ...]`` gives the step
+    rewards of ``--supervision process`` (default :func:`arithmetic_step_rewards`: every
+    equation ``x op y = z`` checked). Under ``torchrun`` every process runs this function on its
+    share of the batch; the returned history holds the global values on every rank."""
+    validate(args)  # a bad flag, checkpoint, dataset or reward file: one line, before any load
+    checkpoint = resume_checkpoint(args)  # --resume's, checked
+    model_path = args.model_name_or_path
+    data_name = Path(args.dataset or args.task).stem
+    run_name = args.run_name or f"{data_name}__grpo__{args.seed}__{int(time.time())}"
+    run_dir = common.make_run_dir(args.runs_dir, run_name, args.resume, args.eval_only)
+    task = task or tasks.task_of(
+        args.task,
+        args.dataset,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        reward_fn=args.reward_fn,
+        reward_weights=args.reward_weights,
+        eval_size=args.eval_size,
+        correct_fn=args.correct_fn,
+        eval_dataset=args.eval_dataset,
+    )
+    tokenizer = common.load_tokenizer(model_path)
+    if not args.eval_only:  # the training questions whose prompts fit
+        questions = tasks.training_questions(
+            task,
+            tokenizer,
+            system_prompt=args.system_prompt,
+            response_prefix=args.response_prefix,
+            max_prompt_length=args.max_prompt_length,
+            minimum=args.prompts_per_step,
+            max_new_tokens=args.max_new_tokens,
+            model_path=model_path,
+        )
+    rank, world, device = common.start_processes(args.device)  # torchrun: each its share of a batch
+    torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
+
+    def held_out(pi):  # (metrics, responses) of the held-out questions; --eval-samples: sampled
+        return tasks.held_out_accuracy(
+            pi,
+            tokenizer,
+            task,
+            size=args.eval_size,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.eval_batch_size,
+            system_prompt=args.system_prompt,
+            response_prefix=args.response_prefix,
+            bf16=args.bf16,
+            samples=args.eval_samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
+
+    # Algorithm 1's input: the initial policy pi_theta_init, a reference pi_ref (a frozen copy of
+    # it, §4.1.1; none with beta = 0) and the reward: the task's reward functions or a reward model
+    lora = None
+    if args.lora_rank:  # LoRA: the reference is the policy with its adapters off
+        lora = (args.lora_rank, args.lora_alpha, args.lora_target_modules)
+    policy = common.load_policy(model_path, device, lora, args.gradient_checkpointing)
+    if args.eval_only:  # no training: the held-out accuracy of --resume's policy or of the model
+        return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
+    reference = None
+    if args.beta > 0:  # bf16 weights where the reference never resets (--iterations 1)
+        bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16)
+        reference = common.load_reference(
+            policy, model_path, device, lora=lora is not None, bf16_weights=bf16
+        )
+    reward_model = make_reward_model(args, tokenizer, device)
+    rm_training = None
+    if args.train_reward_model:  # §4.1.4: r_phi trained continually (Algorithm 1, line 12)
+        rm_training = RewardModelTraining(reward_model, tokenizer, args, device)
+    trained = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(
+        trained, args.learning_rate, weight_decay=args.weight_decay, fused=True
+    )
+    start_step = restore(
+        checkpoint, args, policy, optimizer, reference=reference, rm_training=rm_training
+    )
+    progress_bar = {"reward": "reward/mean", "kl": "loss/kl", "len": "completion/length_mean"}
+    log = common.RunLog(
+        run_dir,
+        dataclasses.asdict(args),
+        rank=rank,
+        start_step=start_step,
+        resumed=checkpoint is not None,
+        name="grpo",
+        postfix=progress_bar,
+        track=args.track,
+    )
+    sampler = Sampler(
+        policy=policy,
+        tokenizer=tokenizer,
+        questions=questions,
+        task=task,
+        reward_model=reward_model,
+        rank=rank,
+        world=world,
+        device=device,
+    )
+    evaluate_first = args.eval_size > 0 and not checkpoint  # the held-out accuracy at the start
+    log.evaluate(0, evaluate_first, lambda: held_out(policy)[0])
+    if checkpoint:  # last: loading must not shift the random state
+        common.rng_state(checkpoint["rng"])
+
+    G = args.group_size
+    B = args.prompts_per_step // world  # questions of this process
+    N = B * G  # outputs of this process
+    num_outputs = args.prompts_per_step * G  # outputs of every process: eq. 3's sum
+    steps_per_iteration = args.total_steps // args.iterations
+    # each prompt through the model once per micro-batch (gradient checkpointing drops the cache)
+    share_prompt = not args.gradient_checkpointing
+    # leave out rows that add exactly 0 to the loss and its gradient (no token in it, or, with no
+    # KL or entropy term, A = 0); not under bnpo, whose per-micro-batch mean counts them
+    other_terms = args.beta + args.entropy_coef > 0
+    skip_rows = args.mask_truncated_completions or not other_terms
+    skip_rows = skip_rows and args.loss_type != "bnpo"
+
+    # Algorithm 1, line 1: policy model pi_theta <- pi_theta_init (loaded above)
+    for iteration in range(start_step // steps_per_iteration, args.iterations):  # line 2
+        first_step = iteration * steps_per_iteration
+        last_step = first_step + steps_per_iteration - 1
+        # line 3: reference model pi_ref <- pi_theta (iteration 1's was loaded as pi_theta_init; a
+        # resumed iteration's was restored)
+        if reference is not None and iteration > 0 and start_step <= first_step:
+            reference.load_state_dict(policy.state_dict())
+        steps = range(max(start_step, first_step), last_step + 1)
+        for step in log.progress(steps, args.total_steps):  # line 4
+            t0 = time.time()
+            # line 5: sample a batch D_b of B questions; line 6: pi_old <- pi_theta (the policy as
+            # it is now); line 7: sample G outputs o_i ~ pi_old(. | q) of each question q, at T;
+            # line 8: their rewards r_i, from the task's reward functions or the reward model
+            batch = sample_and_score(sampler, args, step)
+            if args.dynamic_sampling:  # DAPO §3.2: only groups whose rewards differ
+                batch = dynamic_sampling(batch, sampler, args, step)
+            if args.overlong_buffer:  # DAPO §3.4: soft overlong punishment
+                penalty = overlong_penalty(
+                    batch.completion_mask, args.max_new_tokens, args.overlong_buffer
+                )
+                batch.rewards = batch.rewards + penalty  # batch.verifiable stays the task's
+            rewards = batch.rewards  # (N,) r_i, G contiguous outputs a question
+            if world > 1:  # torchrun: every process's r_i, (B * G * world,) in group order
+                rewards = common.all_gather(rewards)
+            if rm_training:  # line 12's training set (§4.1.4): these samples
+                rm_training.add(batch)
+            gen_time = time.time() - t0
+
+            # line 9: the advantage A_i,t of every token of every o_i
+            if args.supervision == "outcome":  # §4.1.2: (r_i - mean(r)) / std(r) of its group
+                groups = torch.arange(num_outputs) // G
+                advantages = group_advantages(
+                    rewards, groups, scale=args.scale_rewards, baseline=args.advantage
+                )
+                ours = slice(rank * N, rank * N + N)  # this process's groups
+                advantages = advantages[ours].to(device)
+            else:  # §4.1.3: the sums of the normalised step rewards from t on
+                advantages = process_supervision(
+                    batch, tokenizer, args, device, step_reward_fn=step_reward_fn
+                )
+
+            # the tokens in the loss: o_i up to its EOS
+            loss_mask = batch.completion_mask
+            if args.mask_truncated_completions:  # DAPO §3.4 overlong filtering
+                loss_mask = loss_mask * ~batch.truncated[:, None]
+            rows = torch.arange(N)
+            if skip_rows:  # speed: the rows that add 0 to the loss stay out
+                rows = rows_with_a_gradient(advantages, loss_mask, G, other_terms=other_terms)
+            micro_batches = plan_micro_batches(
+                batch, rows, size=args.micro_batch_size, group_size=G, device=device
+            )
+            # eq. 3's pi_old and eq. 4's pi_ref log probs of the sampled tokens (no grad); with
+            # mu = 1 pi_old is pi_theta itself, and grpo_loss reads its log probs there
+            old_logp = None
+            if args.mu > 1:
+                old_logp = torch.zeros_like(loss_mask)
+            ref_logp = None
+            if reference is not None:
+                ref_logp = torch.zeros_like(loss_mask)
+            with torch.no_grad(), common.bf16_autocast(device, args.bf16):
+                for mb in micro_batches:
+                    T = mb.completion_ids.shape[1]
+                    if old_logp is not None:
+                        old_logp[mb.rows, :T] = token_log_probs(
+                            policy, mb, args.temperature, share_prompt=share_prompt
+                        )
+                    if ref_logp is not None:
+                        ref_logp[mb.rows, :T] = token_log_probs(
+                            reference, mb, args.temperature, share_prompt=share_prompt
+                        )
+
+            # lines 10-11: mu GRPO iterations, each maximising eq. 3 over the whole batch
+            # (gradients accumulated over its micro-batches); pi_old stays the sampling policy
+            tokens_in_loss = loss_mask.sum()  # DAPO's normaliser
+            if world > 1:  # torchrun: every process's tokens
+                tokens_in_loss = common.all_reduce(tokens_in_loss)
+            num_tokens = tokens_in_loss.item()
+            loss_stats = []  # grpo_loss's stats of each micro-batch, for step_metrics
+            for _ in range(args.mu):
+                optimizer.zero_grad(set_to_none=True)
+                # dropout is off (zeroed at load); train mode makes HF's gradient checkpointing
+                # recompute activations, and does nothing else here
+                policy.train(args.gradient_checkpointing)
+                for mb in micro_batches:
+                    with common.bf16_autocast(device, args.bf16):
+                        logp, entropy = token_log_probs(
+                            policy,
+                            mb,
+                            args.temperature,
+                            share_prompt=share_prompt,
+                            entropy_coef=args.entropy_coef,
+                        )
+                    old = mb.take(old_logp)
+                    ref = mb.take(ref_logp)
+                    adv = mb.take(advantages)
+                    mask = mb.take(loss_mask)
+                    loss, stats = grpo_loss(
+                        logp,
+                        old,
+                        ref,
+                        adv,
+                        mask=mask,
+                        clip_range=args.clip_range,
+                        beta=args.beta,
+                        num_sequences=num_outputs,
+                        entropy=entropy,
+                        loss_type=args.loss_type,
+                        clip_range_high=args.clip_range_high,
+                        level=args.importance_sampling_level,
+                        num_tokens=num_tokens,
+                        max_length=args.max_new_tokens,
+                        kl_estimator=args.kl_estimator,
+                        entropy_coef=args.entropy_coef,
+                    )
+                    loss.backward()
+                    stats["loss"] = loss.detach()
+                    stats["entropy"] = (entropy.detach() * mask).sum()
+                    loss_stats.append(stats)
+                policy.eval()
+                if world > 1:  # torchrun: the gradients summed over processes, as DDP does
+                    common.all_reduce_gradients(policy.parameters())
+                grad_norm = common.clip_gradients_or_stop(trained, args.max_grad_norm, step)
+                optimizer.step()
+
+            # line 12, after an iteration's last step: update r_phi by continuous training with a
+            # replay mechanism (§4.1.4); here, before the step's checkpoint, which then holds it
+            if rm_training and step == last_step:
+                log(step + 1, rm_training.train(step))
+
+            # logging, evaluation (every --eval-every), checkpoints (every --save-every)
+            metrics = step_metrics(
+                args, batch, rewards, loss_stats, grad_norm=grad_norm, t0=t0, gen_time=gen_time
+            )
+            log(step + 1, metrics)
+            log.samples(step + 1, sample_lines(batch, G), args.sample_every)
+            periodic = args.eval_every > 0 and (step + 1) % args.eval_every == 0
+            eval_due = args.eval_size > 0 and (periodic or step + 1 == args.total_steps)
+            log.evaluate(step + 1, eval_due, lambda: held_out(policy)[0])
+            save_checkpoint(
+                log,
+                step + 1,
+                args,
+                policy,
+                optimizer=optimizer,
+                reference=reference,
+                rm_training=rm_training,
+            )
+    log.close()
+    if rank == 0 and args.total_steps > start_step:
+        common.save_pretrained(policy, tokenizer, run_dir / "final_model")
+        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
+    common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
+    return log.history
+
+
+# ----------------------------------------------------------------------------------------------
+# Algorithm 1, lines 5-8: sample G outputs of each question from pi_old, and their rewards
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Sampler:
+    """What lines 5-8 sample with and score by."""
+
+    policy: Any  # pi_old: the policy as it is when the step starts
+    tokenizer: Any
+    questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
+    task: tasks.Task
+    reward_model: Any  # None: the task's verifiable reward
+    rank: int  # torchrun: this process samples the groups rank * B .. rank * B + B - 1 of each step
+    world: int
+    device: torch.device
+
+
+def sample_and_score(sampler: Sampler, args: Args, step: int, round_: int = 0) -> Batch:
+    """Lines 5-8 for one draw of questions, from ``(--seed, step, round_)``: this process's B
+    questions, G completions of each from ``softmax(logits / T)`` (within the top-p nucleus), and
+    their rewards (:func:`reward`). Each row's draws come from ``(--seed, step, round_, its place
+    in the whole batch)``: the samples depend neither on how many processes share the batch nor on
+    --generation-groups-per-call."""
+    G = args.group_size
+    B = args.prompts_per_step // sampler.world
+    tokenizer = sampler.tokenizer
+    pad = tokenizer.pad_token_id
+    first = sampler.rank * B  # this process's groups: first + 0..B-1
+    keys = [args.seed, step]
+    if round_:
+        keys.append(round_)
+    rng = np.random.default_rng(keys)
+    picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
+    ours = picks[first : first + B]  # this process's questions
+    examples = [sampler.questions[i] for i in ours for _ in range(G)]
+    questions = [example["question"] for example in examples[::G]]
+    prompts = tasks.prompt_ids(tokenizer, questions, args.system_prompt, args.response_prefix)
+    seed_keys = (args.seed, step, round_)
+    rows = common.generate_completions(
+        sampler.policy,
+        prompts,
+        G,
+        tokenizer,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        bf16=args.bf16,
+        seed_keys=seed_keys,
+        first_index=first,
+        per_call=args.generation_groups_per_call,
+    )
+    repeated = [prompt for prompt in prompts for _ in range(G)]
+    prompt_ids, prompt_mask = common.pad_left(repeated, pad, sampler.device)
+    rows = [torch.tensor(row, device=sampler.device) for row in rows]  # padded after the EOS
+    completion_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    batch = Batch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        examples=examples,
+        completions=texts,
+    )
+    ends_with_eos = (completion_ids == tokenizer.eos_token_id) & mask.bool()
+    batch.truncated = ~ends_with_eos.any(1)  # no EOS within --max-new-tokens
+    return reward(batch, sampler, args, step)
+
+
+def reward(batch: Batch, sampler: Sampler, args: Args, step: int) -> Batch:
+    """Line 8: ``batch`` with its rewards, from the task's reward functions or the reward model, and
+    its ``verifiable``, ``correct`` and ``reward_fns``. A reward model trained from the policy's
+    backbone scores from iteration 2 on, once trained; until then the verifiable reward does
+    (Algorithm 1). Raises UsageError: a reward function raises or returns NaN or inf."""
+    texts = responses(batch, args)
+    first_iteration = step < args.total_steps // args.iterations
+    trained = args.reward_model_path is not None or not first_iteration
+    by_model = sampler.reward_model is not None and trained
+    if not by_model or args.train_reward_model:  # --reward-fn: each function's own rewards too
+        verifiable, reward_fns = tasks.score_task(sampler.task, texts, batch.examples)
+        batch.verifiable = verifiable
+        batch.reward_fns = reward_fns
+    batch.rewards = batch.verifiable
+    if by_model:
+        ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
+        mask = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1)
+        batch.rewards = tasks.score_with_reward_model(
+            sampler.reward_model,
+            ids,
+            mask,
+            args.micro_batch_size,
+            device=sampler.device,
+            bf16=args.bf16,
+        )
+    batch.correct = tasks.score_correct(sampler.task, texts, batch.examples)
+    return batch
+
+
+def responses(batch: Batch, args: Args) -> list[str]:
+    """What every reward, correctness and step-reward function reads: --response-prefix (the
+    answer's prefilled start) + each decoded completion."""
+    return [args.response_prefix + completion for completion in batch.completions]
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL with its reward model §4.1.4
+# ----------------------------------------------------------------------------------------------
+def process_supervision(batch: Batch, tokenizer, args: Args, device, *, step_reward_fn=None):
+    """§4.1.3: (N, T) advantages on ``device`` from the steps that ``step_reward_fn(response,
+    example) -> [(end character offset, reward), ...]`` (default :func:`arithmetic_step_rewards`)
+    checks in each response (--response-prefix + completion, as a reward function reads it), plus
+    its final answer as one more step with the outcome reward (:func:`process_advantages`); a step
+    that ends inside the prefix is not the policy's and gets no reward. The ``process/*`` scalars
+    (over every process) go to ``batch.scalars``. Raises UsageError: the function raises."""
+    step_reward_fn = step_reward_fn or arithmetic_step_rewards
+    N, T = batch.completion_ids.shape
+    prefix = len(args.response_prefix)  # characters before the completion's first
+    rewards = []
+    rows = []
+    ends = []
+    texts = responses(batch, args)
+    for i, (text, example) in enumerate(zip(texts, batch.examples, strict=True)):
+        length = int(batch.completion_mask[i].sum())  # |o_i|
+        ids = batch.completion_ids[i].tolist()
+        try:
+            returned = step_reward_fn(text, example)
+            steps = [(int(end), float(r)) for end, r in returned]
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - as a reward function's failure
+            failed = f"step reward function raised {type(e).__name__}: {e} on completion {i}"
+            raise UsageError(failed) from None
+        # a step ends at the first token whose decoded prefix holds its last character
+        prefixes = [ids[:n] for n in range(1, length + 1)]
+        decoded = tokenizer.batch_decode(prefixes, skip_special_tokens=True)
+        lengths = [len(p) for p in decoded]
+        for end, step_reward in steps:
+            if end <= prefix:  # inside --response-prefix: not the policy's text, not paid
+                continue
+            token = bisect.bisect_left(lengths, end - prefix)
+            ends.append(min(token, length - 1))
+            rewards.append(step_reward)
+            rows.append(i)
+        ends.append(length - 1)  # the final answer: the completion's last token
+        rewards.append(batch.rewards[i].item())
+        rows.append(i)
+    every_process = torch.tensor(common.all_gather_objects(rewards))
+    step_rewards = torch.tensor(rewards)
+    step_rows = torch.tensor(rows)
+    step_ends = torch.tensor(ends)
+    advantages = process_advantages(
+        step_rewards,
+        step_rows,
+        step_ends,
+        num_sequences=N,
+        num_tokens=T,
+        group_size=args.group_size,
+        scale=args.scale_rewards,
+        baseline=args.advantage,
+        batch=every_process,
+    )
+    checked = len(rewards) - N  # the steps that are not final answers, and their rewards' sum
+    step_sum = sum(rewards) - batch.rewards.sum().item()
+    totals = torch.tensor([checked, step_sum], dtype=torch.float64)
+    checked, step_sum = common.all_reduce(totals).tolist()
+    completions = args.prompts_per_step * args.group_size
+    batch.scalars["process/steps_per_completion"] = checked / completions
+    batch.scalars["process/step_reward_mean"] = step_sum / max(checked, 1)
+    return advantages.to(device)
+
+
+_OPS = {ast.Add: add, ast.Sub: sub, ast.Mult: mul, ast.Div: truediv, ast.USub: neg}
 
 
 def _arithmetic(node: ast.AST) -> float:
@@ -621,8 +953,12 @@ def _arithmetic(node: ast.AST) -> float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return float(node.value)
     if isinstance(node, ast.UnaryOp | ast.BinOp) and type(node.op) in _OPS:  # -x, x op y
-        operands = [node.operand] if isinstance(node, ast.UnaryOp) else [node.left, node.right]
-        return _OPS[type(node.op)](*map(_arithmetic, operands))
+        if isinstance(node, ast.UnaryOp):
+            operands = [node.operand]
+        else:
+            operands = [node.left, node.right]
+        values = [_arithmetic(operand) for operand in operands]
+        return _OPS[type(node.op)](*values)
     raise ValueError("not arithmetic")
 
 
@@ -638,30 +974,31 @@ def arithmetic_step_rewards(completion: str, example=None) -> list[tuple[int, fl
     parentheses, ``$``, ``1,234``, GSM8K's ``<<48/2=24>>``) as (end offset after its last digit,
     1.0 if right within a relative 1e-4 else 0.0)."""
     steps = []
-    for m in _STEP.finditer(completion):
-        sides = (m.group(1), m.group(2).replace(" ", ""))
+    for match in _STEP.finditer(completion):
+        sides = (match.group(1), match.group(2).replace(" ", ""))
         sides = [s.replace("$", "").replace(",", "").replace("×", "*").strip() for s in sides]
         try:
-            lhs, rhs = (_arithmetic(ast.parse(s, mode="eval").body) for s in sides)
-            ok = math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
+            lhs, rhs = [_arithmetic(ast.parse(side, mode="eval").body) for side in sides]
+            right = math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
         except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
-            ok = False
-        steps.append((m.end(), float(ok)))
+            right = False
+        steps.append((match.end(), float(right)))
     return steps
 
 
 def make_reward_model(args: Args, tokenizer, device):
-    """(r_phi, its :class:`RewardModelTraining` with --train-reward-model, else False): the model of
-    --reward-model-path (frozen unless trained), or with --train-reward-model alone the policy's
-    backbone with a new score head (Algorithm 1, §4.1.4); None: the task's reward scores."""
-    model = None
+    """r_phi: the model of --reward-model-path (frozen unless --train-reward-model), or with
+    --train-reward-model alone the policy's backbone with a new score head (Algorithm 1, §4.1.4);
+    None: the task's reward scores."""
     if args.reward_model_path:
         model = common.load_reward_model(args.reward_model_path, tokenizer, device).eval()
         model.requires_grad_(args.train_reward_model)
-    elif args.train_reward_model:
+        return model
+    if args.train_reward_model:
         model = common.load_model(args.model_name_or_path, kind="reward", device=device).eval()
         model.config.pad_token_id = tokenizer.pad_token_id
-    return model, args.train_reward_model and RewardModelTraining(model, tokenizer, args, device)
+        return model
+    return None
 
 
 class RewardModelTraining:
@@ -671,52 +1008,73 @@ class RewardModelTraining:
     (each trains the same model); --rm-eval-fraction of new ones is held out (never trained on)."""
 
     def __init__(self, model, tokenizer, args: Args, device):
-        self.model, self.pad, self.args, self.device = model, tokenizer.pad_token_id, args, device
-        lr, weight_decay = args.rm_learning_rate, args.weight_decay
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.new, self.replay = [], []  # this and earlier iterations' {"ids": ..., "label": r_i}
+        self.model = model
+        self.pad = tokenizer.pad_token_id
+        self.args = args
+        self.device = device
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.rm_learning_rate, weight_decay=args.weight_decay
+        )
+        self.new = []  # this iteration's {"ids": ..., "label": r_i}
+        self.replay = []  # earlier iterations'
 
     def add(self, batch: Batch) -> None:
         ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         real = torch.cat([batch.prompt_mask, batch.completion_mask.long()], 1).bool()
-        rows = zip(ids, real, batch.verifiable, strict=True)
-        samples = [dict(ids=i[m].tolist(), label=r.item()) for i, m, r in rows]
+        samples = []
+        for row_ids, row_real, label in zip(ids, real, batch.verifiable, strict=True):
+            samples.append({"ids": row_ids[row_real].tolist(), "label": label.item()})
         self.new += common.all_gather_objects(samples)
 
     def scores(self, samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """(n,) float32 scores of r_phi (differentiable) and (n,) labels of ``samples``."""
-        ids, mask = common.pad_left([s["ids"] for s in samples], self.pad, self.device)
-        labels = torch.tensor([s["label"] for s in samples], device=self.device)
+        sequences = [sample["ids"] for sample in samples]
+        ids, mask = common.pad_left(sequences, self.pad, self.device)
+        rewards = [sample["label"] for sample in samples]
+        labels = torch.tensor(rewards, device=self.device)
         with common.bf16_autocast(self.device, self.args.bf16):
             return tasks.reward_model_scores(self.model, ids, mask), labels
 
     def train(self, step: int) -> dict:
-        args, size = self.args, self.args.micro_batch_size
+        args = self.args
+        size = args.micro_batch_size
         rng = np.random.default_rng([args.seed, step + 1, 1])
-        shuffled = [self.new[i] for i in rng.permutation(len(self.new))]
+        order = rng.permutation(len(self.new))
+        shuffled = [self.new[i] for i in order]
         split = int(len(shuffled) * args.rm_eval_fraction)
-        held_out, fresh = shuffled[:split], shuffled[split:]
+        held_out = shuffled[:split]
+        fresh = shuffled[split:]
         data = replay_mix(fresh, self.replay, args.rm_replay_ratio, rng)
         for _ in range(args.rm_epochs):  # MSE regression of the score on the verifiable reward
             order = rng.permutation(len(data))
-            for i in range(0, len(data), size):
-                loss = F.mse_loss(*self.scores([data[j] for j in order[i : i + size]]))
+            for start in range(0, len(data), size):
+                chunk = [data[j] for j in order[start : start + size]]
+                scores, labels = self.scores(chunk)
+                loss = F.mse_loss(scores, labels)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 self.optimizer.step()
-        self.replay, self.new = self.replay + fresh, []
-        scalars = dict(train_mse=loss.item(), train_size=len(data), replayed=len(data) - len(fresh))
+        self.replay = self.replay + fresh
+        self.new = []
+        scalars = {"train_mse": loss.item(), "train_size": len(data)}
+        scalars["replayed"] = len(data) - len(fresh)
         if held_out:
-            scalars["heldout_accuracy"], scalars["heldout_mse"] = self.accuracy(held_out)
+            accuracy, mse = self.accuracy(held_out)
+            scalars["heldout_accuracy"] = accuracy
+            scalars["heldout_mse"] = mse
         return {f"reward_model/{key}": value for key, value in scalars.items()}
 
     @torch.no_grad()
     def accuracy(self, samples: list[dict]) -> tuple[float, float]:
         """(accuracy, MSE) on labelled samples; accurate: |score - label| < 0.5."""
         size = self.args.micro_batch_size
-        pairs = [self.scores(samples[i : i + size]) for i in range(0, len(samples), size)]
-        scores, labels = (torch.cat([pair[k].cpu() for pair in pairs]) for k in (0, 1))
-        accurate = ((scores - labels).abs() < 0.5).float().mean().item()
+        pairs = []
+        for start in range(0, len(samples), size):
+            pairs.append(self.scores(samples[start : start + size]))
+        scores = torch.cat([score.cpu() for score, _ in pairs])
+        labels = torch.cat([label.cpu() for _, label in pairs])
+        errors = (scores - labels).abs()
+        accurate = (errors < 0.5).float().mean().item()
         return accurate, F.mse_loss(scores, labels).item()
 
     def state(self, checkpoint: dict | None = None) -> dict:
@@ -724,41 +1082,58 @@ class RewardModelTraining:
         if checkpoint is not None:
             self.model.load_state_dict(checkpoint["reward_model"])
             self.optimizer.load_state_dict(checkpoint["rm_optimizer"])
-            self.new, self.replay = checkpoint["rm_new"], checkpoint["rm_replay"]
-        state = dict(reward_model=self.model.state_dict(), rm_optimizer=self.optimizer.state_dict())
-        return state | dict(rm_new=self.new, rm_replay=self.replay)
+            self.new = checkpoint["rm_new"]
+            self.replay = checkpoint["rm_replay"]
+        state = {"rm_new": self.new, "rm_replay": self.replay}
+        state["reward_model"] = self.model.state_dict()
+        state["rm_optimizer"] = self.optimizer.state_dict()
+        return state
 
 
 def replay_mix(new: list, history: list, ratio: float, rng: np.random.Generator) -> list:
     """One iteration's reward-model training set (Algorithm 1, §4.1.4): ``new`` and
     ``round(len(new) * ratio / (1 - ratio))`` samples (at most all) of ``history``, drawn without
     replacement, so that they make up ``ratio`` (in [0, 1)) of it."""
-    k = min(len(history), round(len(new) * ratio / (1 - ratio)))
-    return list(new) + [history[i] for i in rng.choice(len(history), k, replace=False)]
+    wanted = round(len(new) * ratio / (1 - ratio))
+    count = min(len(history), wanted)
+    replayed = rng.choice(len(history), count, replace=False)
+    return list(new) + [history[i] for i in replayed]
 
 
 # ----------------------------------------------------------------------------------------------
 # Later variants (every flag off = the paper's GRPO): DAPO's dynamic sampling and overlong shaping;
 # Dr. GRPO, RLOO, REINFORCE++, clip-higher, GSPO, CISPO: options of group_advantages, grpo_loss.
 # ----------------------------------------------------------------------------------------------
-def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: int) -> Batch:
+def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, step: int) -> Batch:
     """DAPO dynamic sampling (arXiv 2503.14476, §3.2): keep the groups whose rewards differ, and
     sample new questions (rounds 1, 2, ...) until B such groups are found or --max-sampling-rounds
     is reached; dropped groups top the batch up (advantage 0 unless --overlong-buffer's penalty,
     added afterwards, separates them; they still carry the KL term). Under torchrun each process
     fills its own B groups. The ``sampling/*`` scalars go to ``batch.scalars``."""
-    G, B = args.group_size, len(batch.rewards) // args.group_size
-    rounds, chosen = [], []
+    G = args.group_size
+    B = len(batch.rewards) // G
+    rounds = []
+    chosen = []  # (round, group) of the groups whose rewards differ
     for r in range(args.max_sampling_rounds):
-        rounds.append(batch if r == 0 else sample_and_score(sampler, args, device, step, round_=r))
+        if r == 0:
+            rounds.append(batch)
+        else:
+            rounds.append(sample_and_score(sampler, args, step, round_=r))
         grouped = rounds[r].rewards.view(-1, G)
-        chosen += [(r, g) for g in range(B) if grouped[g].max() > grouped[g].min()]
+        varied = grouped.max(1).values > grouped.min(1).values
+        chosen += [(r, g) for g in range(B) if varied[g]]
         if len(chosen) >= B:
             break
-    dropped = [(r, g) for r in range(len(rounds)) for g in range(B) if (r, g) not in chosen]
-    merged = merge_groups(rounds, (chosen + dropped)[:B], G, sampler.tokenizer.pad_token_id)
-    merged.scalars["sampling/rounds"] = common.all_reduce(torch.tensor(len(rounds)), "max").item()
-    varied = common.all_reduce(torch.tensor(min(len(chosen), B))).item()
+    everyone = [(r, g) for r in range(len(rounds)) for g in range(B)]
+    dropped = [group for group in everyone if group not in chosen]
+    pad = sampler.tokenizer.pad_token_id
+    kept = (chosen + dropped)[:B]
+    merged = merge_groups(rounds, kept, G, pad)
+    rounds_here = torch.tensor(len(rounds))
+    rounds_used = common.all_reduce(rounds_here, "max").item()
+    varied_here = torch.tensor(min(len(chosen), B))
+    varied = common.all_reduce(varied_here).item()
+    merged.scalars["sampling/rounds"] = rounds_used
     merged.scalars["sampling/frac_groups_varied"] = varied / args.prompts_per_step
     return merged
 
@@ -766,62 +1141,105 @@ def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, device, step: i
 def merge_groups(batches: list[Batch], chosen: list, G: int, pad: int) -> Batch:
     """One batch of the groups ``chosen`` = [(batch index, group index), ...]: every field's rows
     concatenated, prompts left-padded and completions right-padded again to the widest."""
-    rows, first = [(batches[b], slice(g * G, (g + 1) * G)) for b, g in chosen], batches[0]
+    rows = []  # (batch, its group's rows)
+    for b, g in chosen:
+        group_rows = slice(g * G, (g + 1) * G)
+        rows.append((batches[b], group_rows))
 
     def cat(key: str, value=0, left=False):  # the chosen rows of a field, padded to the widest
-        parts = [getattr(b, key)[r] for b, r in rows] if getattr(first, key) is not None else None
-        if parts is None or isinstance(parts[0], list):
-            return parts and [x for part in parts for x in part]
+        if getattr(batches[0], key) is None:
+            return None
+        parts = [getattr(b, key)[r] for b, r in rows]
+        if isinstance(parts[0], list):
+            return [x for part in parts for x in part]
         if parts[0].ndim == 1:
             return torch.cat(parts)
-        width = max(p.shape[-1] for p in parts)
-        side = lambda gap: (gap, 0) if left else (0, gap)  # noqa: E731 - F.pad's (left, right)
-        return torch.cat([F.pad(p, side(width - p.shape[-1]), value=value) for p in parts])
+        width = max(part.shape[-1] for part in parts)
+        padded = []
+        for part in parts:
+            gap = width - part.shape[-1]
+            sides = (gap, 0) if left else (0, gap)  # F.pad's (left, right)
+            padded.append(F.pad(part, sides, value=value))
+        return torch.cat(padded)
 
-    prompts = cat("prompt_ids", pad, True), cat("prompt_mask", 0, True)
-    completions = cat("completion_ids", pad), cat("completion_mask")
-    fields = ("examples", "completions", "rewards", "verifiable", "correct", "truncated")
-    fns = {k: torch.cat([b.reward_fns[k][r] for b, r in rows]) for k in first.reward_fns}
-    return Batch(*prompts, *completions, *map(cat, fields), reward_fns=fns)
+    reward_fns = {}
+    for name in batches[0].reward_fns:
+        parts = [b.reward_fns[name][r] for b, r in rows]
+        reward_fns[name] = torch.cat(parts)
+    return Batch(
+        prompt_ids=cat("prompt_ids", pad, left=True),
+        prompt_mask=cat("prompt_mask", 0, left=True),
+        completion_ids=cat("completion_ids", pad),
+        completion_mask=cat("completion_mask"),
+        examples=cat("examples"),
+        completions=cat("completions"),
+        rewards=cat("rewards"),
+        verifiable=cat("verifiable"),
+        correct=cat("correct"),
+        truncated=cat("truncated"),
+        reward_fns=reward_fns,
+    )
 
 
 def overlong_penalty(mask: torch.Tensor, max_length: int, buffer: int) -> torch.Tensor:
     """DAPO soft overlong punishment (arXiv 2503.14476, §3.4), added to the reward: (N,) in [-1, 0]
     from the lengths |o| of the (N, T) ``mask``: 0 for ``|o| <= L_max - L_cache``, then ``((L_max -
-    L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``, 0 = off)."""
-    return (((max_length - buffer) - mask.float().sum(1).cpu()) / max(buffer, 1)).clamp(-1.0, 0.0)
+    L_cache) - |o|) / L_cache``, -1 at L_max = ``max_length`` (L_cache = ``buffer``; 0: all 0)."""
+    lengths = mask.float().sum(1).cpu()
+    penalty = ((max_length - buffer) - lengths) / max(buffer, 1)
+    return penalty.clamp(-1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun is in common.py)
 # ----------------------------------------------------------------------------------------------
-def rows_with_a_gradient(advantages, loss_mask, other_weights: float, loss_type: str, G: int):
-    """(n,) long: the rows steps 4-5 compute. A row with no token in the (N, T) ``loss_mask`` or,
-    if ``other_weights`` (summed, of the terms but A's) is 0, whose advantages are all 0 (equal
-    rewards) adds exactly 0 to the loss and its gradient: left out (not under bnpo, whose
-    per-micro-batch mean counts it). If none is left, the first group stays: AdamW steps on 0s."""
+def rows_with_a_gradient(advantages, loss_mask, group_size: int, *, other_terms: bool):
+    """(n,) long: the rows whose loss terms are not all exactly 0, the rows lines 10-11 compute: a
+    token in the (N, T) ``loss_mask`` and, without ``other_terms`` (a KL or entropy term), an
+    advantage that is not 0 (equal rewards give 0). None left: the first group (AdamW then steps
+    on zero gradients, as it would on the whole batch)."""
+    has_tokens = loss_mask.sum(1) > 0
     nonzero = (advantages != 0).reshape(len(advantages), -1).any(1)
-    keep = (loss_mask.sum(1) > 0) & (nonzero | (other_weights > 0)) | (loss_type == "bnpo")
-    keep[:G] |= not keep.any()  # none left: the first group
+    keep = has_tokens & (nonzero | other_terms)
+    keep[:group_size] |= not keep.any()  # none left: the first group
     return keep.nonzero().squeeze(1)
 
 
-def plan_micro_batches(batch: Batch, size: int, G: int, device, rows: torch.Tensor):
-    """Micro-batches of ``size`` of the batch's ``rows`` for steps 4-5, yielded as (rows, length t,
-    :class:`MicroBatch`). Groups of similar completion length go together (whole groups when
-    ``size`` is a multiple of G: a prompt goes through the model once per micro-batch that holds
-    its completions), each trimmed to its longest prompt and completion. The loss is a sum over
-    sequences, so the order only saves compute (except --loss-type bnpo's per-micro-batch mean)."""
-    mask, lengths = batch.completion_mask, batch.completion_mask.sum(1)
-    lens, group_lens = lengths.tolist(), lengths.view(-1, G).amax(1).tolist()
-    order = sorted(rows.tolist(), key=lambda i: (-group_lens[i // G], i // G, -lens[i]))
+def plan_micro_batches(batch: Batch, rows: torch.Tensor, *, size: int, group_size: int, device):
+    """:class:`MicroBatch` es of ``size`` of the batch's ``rows`` for lines 6-11. Groups of similar
+    completion length go together (whole groups when ``size`` is a multiple of G: a prompt goes
+    through the model once per micro-batch that holds its completions), each trimmed to its
+    longest prompt and completion. The loss is a sum over sequences, so the order only saves
+    compute (except --loss-type bnpo's per-micro-batch mean)."""
+    G = group_size
+    lengths = batch.completion_mask.sum(1)
+    row_lengths = lengths.tolist()
+    group_lengths = lengths.view(-1, G).amax(1).tolist()
+
+    def longest_first(i):  # groups by their longest completion, then rows by theirs
+        group = i // G
+        return (-group_lengths[group], group, -row_lengths[i])
+
+    order = sorted(rows.tolist(), key=longest_first)
+    micro_batches = []
     for idx in torch.tensor(order, device=device).split(size):
         groups, prompt_index = torch.unique(idx // G, return_inverse=True)  # each prompt once
-        prompt_ids, prompt_mask = batch.prompt_ids[groups * G], batch.prompt_mask[groups * G]
-        first = int(prompt_mask.any(0).float().argmax())  # first column with a real token
-        t = int(lengths[idx].max())
-        prompts = prompt_ids[:, first:], prompt_mask[:, first:], prompt_index
-        yield idx, t, MicroBatch(*prompts, batch.completion_ids[idx, :t], mask[idx, :t].long())
+        prompt_ids = batch.prompt_ids[groups * G]
+        prompt_mask = batch.prompt_mask[groups * G]
+        first = int(prompt_mask.any(0).float().argmax())  # the first column with a real token
+        T = int(lengths[idx].max())
+        completion_ids = batch.completion_ids[idx, :T]
+        completion_mask = batch.completion_mask[idx, :T].long()
+        micro_batch = MicroBatch(
+            prompt_ids[:, first:],
+            prompt_mask[:, first:],
+            prompt_index,
+            completion_ids,
+            completion_mask,
+            rows=idx,
+        )
+        micro_batches.append(micro_batch)
+    return micro_batches
 
 
 # ----------------------------------------------------------------------------------------------
@@ -829,10 +1247,29 @@ def plan_micro_batches(batch: Batch, size: int, G: int, device, rows: torch.Tens
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "grpo_lm.py"  # written into checkpoints: --resume refuses another script's
 # the flags a resumed run cannot change: its directory, data, objective, weights' shapes
-FROZEN = ("model_name_or_path", "runs_dir", "run_name", "task", "dataset", "prompt_field",
-          "answer_field", "eval_size", "max_prompt_length", "system_prompt", "response_prefix",
-          "reward_fn", "reward_weights", "group_size", "reward_model_path", "train_reward_model",
-          "lora_rank", "lora_alpha", "lora_target_modules")  # fmt: skip
+FROZEN = (
+    "model_name_or_path",
+    "runs_dir",
+    "run_name",
+    "task",
+    "dataset",
+    "eval_dataset",
+    "prompt_field",
+    "answer_field",
+    "eval_size",
+    "max_prompt_length",
+    "system_prompt",
+    "response_prefix",
+    "reward_fn",
+    "reward_weights",
+    "correct_fn",
+    "group_size",
+    "reward_model_path",
+    "train_reward_model",
+    "lora_rank",
+    "lora_alpha",
+    "lora_target_modules",
+)
 
 
 def validate(args: Args) -> None:
@@ -840,20 +1277,33 @@ def validate(args: Args) -> None:
     loads: each flag's own constraint (beside it in Args), the rules both LM scripts share
     (common.check_flags, tasks.check_task_flags), then GRPO's."""
     common.check_flags(Args, dataclasses.asdict(args))
-    prompts = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
-    tasks.check_task_flags(args.reward_fn, args.reward_weights, *prompts)
-    steps, iterations, rm_path = args.total_steps, args.iterations, args.reward_model_path
-    check(steps % iterations == 0, f"--iterations {iterations} must divide --total-steps {steps}")
+    tasks.check_task_flags(
+        args.reward_fn,
+        args.reward_weights,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        system_prompt=args.system_prompt,
+        response_prefix=args.response_prefix,
+    )
+    steps = args.total_steps
+    iterations = args.iterations
+    rm_path = args.reward_model_path
+    divides = f"--iterations {iterations} must divide --total-steps {steps}"
+    check(steps % iterations == 0, divides)
     check(args.overlong_buffer < args.max_new_tokens, "--overlong-buffer: below --max-new-tokens")
-    world = f"--prompts-per-step must be divisible by the {common.world_size()} torchrun processes"
-    check(args.prompts_per_step % common.world_size() == 0, world)
+    world = common.world_size()
+    divisible = f"--prompts-per-step must be divisible by the {world} torchrun processes"
+    check(args.prompts_per_step % world == 0, divisible)
     two = "--reward-fn and a frozen --reward-model-path are two rewards: pick one"
-    check(not (args.reward_fn and rm_path and not args.train_reward_model), two)
+    frozen_model = rm_path and not args.train_reward_model
+    check(not (args.reward_fn and frozen_model), two)
     untrained = "--train-reward-model without --reward-model-path needs --iterations >= 2"
-    check(not args.train_reward_model or rm_path or iterations >= 2, untrained)
+    first_from_scratch = args.train_reward_model and not rm_path
+    check(not first_from_scratch or iterations >= 2, untrained)
     lora = "--lora-rank needs --iterations 1: the reference (the policy's adapter off) never resets"
     mixed = "--scale-rewards group: not with --advantage reinforce++ (its batch-centred rewards)"
-    check(args.advantage != "reinforce++" or args.scale_rewards != "group", mixed)
+    reinforce_by_group = args.advantage == "reinforce++" and args.scale_rewards == "group"
+    check(not reinforce_by_group, mixed)
     check(not args.lora_rank or iterations == 1, lora)
 
 
@@ -862,14 +1312,17 @@ def resume_checkpoint(args: Args) -> dict | None:
     by common.resume_checkpoint (this script's, ``FROZEN`` flags unchanged, steps left), with the
     same Algorithm 1 iterations: --total-steps / --iterations steps each. Raises UsageError."""
     checkpoint = common.resume_checkpoint(dataclasses.asdict(args), SCRIPT, FROZEN)
-    saved = checkpoint["args"] if checkpoint else dataclasses.asdict(args)
-    length, one = saved["total_steps"] // saved["iterations"], saved["iterations"] == 1
+    saved = dataclasses.asdict(args)
+    if checkpoint:
+        saved = checkpoint["args"]
+    length = saved["total_steps"] // saved["iterations"]
+    both_one = saved["iterations"] == 1 and args.iterations == 1
     same = f"--total-steps: this run's iterations have {length} steps; resume with that length"
-    check(one and args.iterations == 1 or args.total_steps // args.iterations == length, same)
+    check(both_one or args.total_steps // args.iterations == length, same)
     return checkpoint
 
 
-def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, rm_training) -> int:
+def restore(checkpoint: dict | None, args: Args, policy, optimizer, *, reference, rm_training):
     """Load a checkpoint's weights and optimizer states (the flags given now set the optimizers'
     learning rates and weight decay); returns the checkpoint's step (0 without one)."""
     if checkpoint is None:
@@ -878,67 +1331,83 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, reference, r
     optimizer.load_state_dict(checkpoint["optimizer"])
     if reference is not None and checkpoint["reference"] is not None:  # reset (--iterations > 1)
         reference.load_state_dict(checkpoint["reference"])
-    rm_training.state(checkpoint) if rm_training else None
     optimizer.param_groups[0].update(lr=args.learning_rate, weight_decay=args.weight_decay)
-    for group in rm_training.optimizer.param_groups if rm_training else []:
-        group.update(lr=args.rm_learning_rate, weight_decay=args.weight_decay)
+    if rm_training:
+        rm_training.state(checkpoint)
+        for group in rm_training.optimizer.param_groups:
+            group.update(lr=args.rm_learning_rate, weight_decay=args.weight_decay)
     return checkpoint["step"]
 
 
-def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, grad_norm, t0, gen_time):
+def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, *, grad_norm, t0, gen_time):
     """A step's logged scalars over the global batch from ``loss_stats`` (:func:`grpo_loss`'s of
     every micro-batch, with its ``loss`` and masked ``entropy`` sum) and ``batch.scalars``:
     ``loss/policy`` the minimised -J of eq. 3 (KL, entropy bonus in), other ``loss/*`` over
     :func:`rows_with_a_gradient`'s rows."""
     keys = ("loss", "kl", "clipped_high", "clipped_low", "tokens", "entropy")  # micro-batches, mu
-    sums = torch.tensor([sum(stats[key].item() for stats in loss_stats) for key in keys])
+    totals = [sum(stats[key].item() for stats in loss_stats) for key in keys]
+    sums = torch.tensor(totals)
     loss, kl, high, low, tokens, entropy = common.all_reduce(sums).tolist()
-    per_token = dict(kl=kl, clip_fraction=high + low, entropy=entropy)
-    per_token |= dict(clip_fraction_high=high, clip_fraction_low=low)  # A > 0 and A < 0
-    per_sequence = (batch.completion_mask.sum(1), batch.correct, batch.truncated)
-    lengths, correct, truncated = (common.all_gather(x.float().cpu()) for x in per_sequence)
-    ratio_max = torch.tensor(max(stats["ratio_max"].item() for stats in loss_stats))
-    equal = (rewards.view(-1, args.group_size).std(1) == 0).float().mean().item()
-    scalars = {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item(),
-        "reward/accuracy": correct.mean().item(),
-        "reward/frac_zero_std_groups": equal,
-        "loss/policy": loss / args.mu,
-        "loss/tokens": tokens / args.mu,
-        **{f"loss/{k}": v / max(tokens, 1) for k, v in per_token.items()},  # token means
-        "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
-        "completion/length_mean": lengths.mean().item(),
-        "completion/frac_truncated": truncated.mean().item(),
-        "optim/grad_norm": grad_norm.item(),
-        "time/generation_s": gen_time,
-        "time/training_s": time.time() - t0 - gen_time,
-        **common.peak_memory_gb(grad_norm.device),
-        **batch.scalars,
-        **common.reward_fn_means(batch.reward_fns),  # --reward-fn
-    }
+    token_count = max(tokens, 1)  # the token means' denominator
+    lengths = common.all_gather(batch.completion_mask.sum(1).float().cpu())
+    correct = common.all_gather(batch.correct.float().cpu())
+    truncated = common.all_gather(batch.truncated.float().cpu())
+    ratio_max_here = max(stats["ratio_max"].item() for stats in loss_stats)
+    ratio_max = common.all_reduce(torch.tensor(ratio_max_here), "max")
+    group_stds = rewards.view(-1, args.group_size).std(1)
+    scalars = {}
+    scalars["reward/mean"] = rewards.mean().item()
+    scalars["reward/std"] = rewards.std().item()
+    scalars["reward/accuracy"] = correct.mean().item()
+    scalars["reward/frac_zero_std_groups"] = (group_stds == 0).float().mean().item()
+    scalars["loss/policy"] = loss / args.mu  # the minimised -J of eq. 3, a mean over mu updates
+    scalars["loss/tokens"] = tokens / args.mu
+    scalars["loss/kl"] = kl / token_count
+    scalars["loss/clip_fraction"] = (high + low) / token_count
+    scalars["loss/entropy"] = entropy / token_count
+    scalars["loss/clip_fraction_high"] = high / token_count  # A > 0
+    scalars["loss/clip_fraction_low"] = low / token_count  # A < 0
+    scalars["loss/ratio_max"] = ratio_max.item()
+    scalars["completion/length_mean"] = lengths.mean().item()
+    scalars["completion/frac_truncated"] = truncated.mean().item()
+    scalars["optim/grad_norm"] = grad_norm.item()
+    scalars["time/generation_s"] = gen_time
+    scalars["time/training_s"] = time.time() - t0 - gen_time
+    scalars |= common.peak_memory_gb(grad_norm.device)
+    scalars |= batch.scalars
+    scalars |= common.reward_fn_means(batch.reward_fns)  # --reward-fn
     if batch.verifiable is not None and (args.reward_model_path or args.train_reward_model):
         scalars["reward/verifiable_mean"] = common.all_gather(batch.verifiable).mean().item()
     return scalars
 
 
-def save_checkpoint(log, step: int, args: Args, policy, optimizer, reference, rm_training) -> None:
+def save_checkpoint(log, step: int, args: Args, policy, *, optimizer, reference, rm_training):
     """Every --save-every steps and at the end (rank 0), atomically, what an exact resume needs: the
     reference when --iterations > 1 resets it (else --model-name-or-path's, loaded again) and the
     reward model with its samples."""
-    due = args.save_every and step % args.save_every == 0 or step == args.total_steps
-    if log.is_main and due:
-        reset = reference.state_dict() if args.iterations > 1 and reference is not None else None
-        state = dict(script=SCRIPT, step=step, args=dataclasses.asdict(args), reference=reset)
-        state |= dict(policy=common.trained_weights(policy), optimizer=optimizer.state_dict())
-        state |= rm_training.state() if rm_training else {}
-        common.atomic_save(state | dict(rng=common.rng_state()), log.checkpoint)
+    periodic = args.save_every > 0 and step % args.save_every == 0
+    if not log.is_main or not (periodic or step == args.total_steps):
+        return
+    reference_state = None
+    if args.iterations > 1 and reference is not None:
+        reference_state = reference.state_dict()
+    state = {"script": SCRIPT, "step": step, "args": dataclasses.asdict(args)}
+    state["reference"] = reference_state
+    state["policy"] = common.trained_weights(policy)
+    state["optimizer"] = optimizer.state_dict()
+    if rm_training:
+        state |= rm_training.state()
+    state["rng"] = common.rng_state()
+    common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch, G: int) -> list[str]:
     """The first completion of each group with its reward, for the printed and logged samples."""
-    lines = zip(batch.rewards[::G], batch.examples[::G], batch.completions[::G], strict=True)
-    return [f"[reward {r:.2f}] {ex['question']!r} -> {c!r}" for r, ex, c in lines]
+    lines = []
+    for i in range(0, len(batch.completions), G):
+        question = batch.examples[i]["question"]
+        lines.append(f"[reward {batch.rewards[i]:.2f}] {question!r} -> {batch.completions[i]!r}")
+    return lines
 
 
 def cli(argv: list[str] | None = None) -> None:

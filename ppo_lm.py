@@ -17,13 +17,26 @@ model V_phi (trained).
   loss     = -J(theta) + vf_coef * L(phi),  --num-ppo-epochs x --num-minibatches updates per batch
 
 Read from the top down to the end of main(): the flags, the math (ALGO LOGIC, torch only), then
-main(), steps 1-7 of a PPO iteration. Below main(): rollout() and score() (steps 1-2), then each
-extension, off by default and one tagged line in the loop (the adaptive KL controller of Ziegler et
-al. 2019; micro-batches, torchrun), last the run plumbing. The policy loss
-differs from grpo_lm.py's only in where the advantage comes from (GAE on a learned value) and where
-the KL goes (into the reward, per token). Why KL_t is k1, and where this file departs from the N+
-details' code and TRL's PPOTrainer (loss averaged per sequence, the score on the EOS token, no
-learning-rate schedule, gradients clipped per model, ...): docs/ppo_lm.md.
+main(), steps 1-7 of a PPO iteration, each extension (off by default) behind its own `if args.X:`.
+Below main(): rollout() and score() (steps 1-2) and the models, the micro-batches, last the run
+plumbing. The policy loss differs from grpo_lm.py's only in where the advantage comes from (GAE on
+a learned value) and where the KL goes (into the reward, per token; why KL_t is k1:
+docs/ppo_lm.md).
+
+Where this file departs from the N+ details' code (vwxyzjn/summarize_from_feedback_details,
+ppo.py) and TRL's PPOTrainer:
+  1. Losses are averaged per sequence over its |o| tokens, then over sequences (DeepSeekMath eq.
+     1, as grpo_lm.py); both take one mean over every valid token of a micro-batch.
+  2. The score lands on the EOS token (the last valid one); both add it one position later, on the
+     first padding slot, whose value they train.
+  3. A constant learning rate, 1e-5 by default; both anneal linearly to 0, the N+ code from 3e-6.
+  4. Gradients are clipped per model, the policy's and the value model's apart; both train the two
+     as one module under one optimizer and clip nothing.
+  5. AdamW weight decay 0, as TRL; the N+ code keeps torch's 0.01.
+  6. --missing-eos-penalty is subtracted from the score, as TRL's; the N+ code replaces it with -1.
+  7. Padding is the tokenizer's pad token, or its EOS; the N+ code adds a [PAD] token.
+  8. The task's verifiable reward is the default; without a reward model the value model starts
+     from the policy with a zero head.
 
 Under torchrun each process samples and trains on its share of --prompts-per-step; whitening, the KL
 controller and the losses use the global batch; only rank 0 logs, evaluates and saves.
@@ -64,6 +77,8 @@ class Args:
     task: Literal["addition", "multistep"] = "addition"
     # JSONL file of questions and answers (GSM8K's '... #### N' or a plain answer); overrides --task
     dataset: str | None = None
+    # JSONL file of the held-out questions, same fields (default: --eval-size cut from the data)
+    eval_dataset: str | None = None
     prompt_field: str = "question"  # --dataset: the field that holds the question
     answer_field: str = "answer"  # --dataset: the field that holds the answer
     # your own reward, path/to/file.py:function with function(completion, example) -> float,
@@ -71,6 +86,8 @@ class Args:
     reward_fn: tyro.conf.UseAppendAction[list[str]] = dataclasses.field(default_factory=list)
     # weights of the --reward-fn functions, in order (default: 1 each)
     reward_weights: list[float] = dataclasses.field(default_factory=list)
+    # what counts as right: file.py:function(response, example) -> bool (default: the task's check)
+    correct_fn: str | None = None
     # system message before every question (default: none)
     system_prompt: str | None = None
     # the start of every answer (assistant prefill, e.g. '<think>'); rewards see it too
@@ -165,8 +182,8 @@ class Args:
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over a minibatch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    # prompts per sampling call (0 = all of a process's); samples depend only on --seed, the step
-    # and the calls' prompts
+    # prompts per sampling call (0 = all of a process's): memory, never the samples, which depend on
+    # --seed, the step and each row's place in the batch alone
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
     # optimizer, LM head and log-softmax stay float32); float32 elsewhere
@@ -204,10 +221,10 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Te
     return (eos_before == 0).float()
 
 
-def token_log_probs(model, input_ids, attention_mask, T, temperature, entropy_coef=None):
-    """(B, T) ``log softmax(logits / temperature)`` of the last T tokens of the (B, P + T)
-    left-padded ``input_ids``; with ``entropy_coef`` also their (B, T) entropy, differentiable if
-    it is not 0 (one row at a time: 2.5 (B, T, V) copies at the peak, not 5).
+def token_log_probs(model, input_ids, attention_mask, width, *, temperature, entropy_coef=None):
+    """(B, T) ``log softmax(logits / temperature)`` of the last T = ``width`` tokens of the (B, P +
+    T) left-padded ``input_ids`` (the completions); with ``entropy_coef`` also their (B, T) entropy,
+    differentiable if it is not 0.
 
     Logits exist for the completion positions only; position ids count real tokens only, as in
     generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
@@ -215,132 +232,190 @@ def token_log_probs(model, input_ids, attention_mask, T, temperature, entropy_co
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     with common.float32_lm_head(model):
-        logits = model(**inputs, logits_to_keep=T + 1, use_cache=False).logits[:, :-1]  # j: j + 1
-    logp, H = [], []
-    for z, row in zip(logits.float().split(1), input_ids[:, -T:].split(1), strict=True):
-        logp.append((lp := (z / temperature).log_softmax(-1)).gather(2, row[..., None])[..., 0])
-        if entropy_coef is not None:  # with its gradient only for a bonus (0: logged only)
-            H.append(-((lp := lp if entropy_coef else lp.detach()).exp() * lp).sum(-1))
-    return (torch.cat(logp), torch.cat(H)) if entropy_coef is not None else torch.cat(logp)
+        output = model(**inputs, logits_to_keep=width + 1, use_cache=False)
+    logits = output.logits[:, :-1]  # position j's logits give token j + 1
+    completion_ids = input_ids[:, -width:]
+    # a row at a time: 2.5 (B, T, V) copies at the peak, not 5 (all rows at once)
+    log_probs = []
+    entropies = []
+    rows = zip(logits.float().split(1), completion_ids.split(1), strict=True)
+    for row_logits, row_ids in rows:
+        row_logp = (row_logits / temperature).log_softmax(-1)  # (1, T, V)
+        picked = row_logp.gather(2, row_ids[..., None])  # (1, T, 1): the sampled tokens'
+        log_probs.append(picked[..., 0])
+        if entropy_coef is not None:
+            if not entropy_coef:  # logged only: no gradient
+                row_logp = row_logp.detach()
+            row_probs = row_logp.exp()
+            row_entropy = -(row_probs * row_logp).sum(-1)
+            entropies.append(row_entropy)
+    if entropy_coef is None:
+        return torch.cat(log_probs)
+    return torch.cat(log_probs), torch.cat(entropies)
 
 
-def token_values(value_model, input_ids, attention_mask, T: int) -> torch.Tensor:
-    """(B, T) float32 values V(s_t) of the last T tokens of the (B, P + T) ``input_ids``: the
-    ``score`` head of the sequence-classification ``value_model`` on its backbone's hidden states.
+def token_values(value_model, input_ids, attention_mask, width: int) -> torch.Tensor:
+    """(B, T) float32 values V(s_t) of the last T = ``width`` tokens of the (B, P + T)
+    ``input_ids``: the ``score`` head of the sequence-classification ``value_model`` on its
+    backbone's hidden states.
 
     The state s_t before completion token o_t ends at position P + t - 1, whose logits give
     pi(o_t | s_t): V(s_t) is read there. The state after the last token is terminal, valued 0.
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    hidden = value_model.base_model(**inputs, use_cache=False).last_hidden_state
-    return value_model.score(hidden[:, -T - 1 : -1]).squeeze(-1).float()
+    output = value_model.base_model(**inputs, use_cache=False)
+    hidden = output.last_hidden_state
+    states = hidden[:, -width - 1 : -1]  # s_t: positions P - 1 .. P + T - 2
+    values = value_model.score(states)  # (B, T, 1)
+    return values.squeeze(-1).float()
 
 
-def per_token_rewards(scores, logp, ref_logp, mask, beta: float, estimator: str = "k1"):
+def per_token_rewards(scores, old_logp, ref_logp, mask, *, beta: float, estimator: str = "k1"):
     """(rewards, kl), both (B, T): ``-beta * KL_t`` on every valid token, plus the (B,) ``scores``
     on the last valid token (the EOS when there is one), 0 after it (DeepSeekMath eq. 2,
     InstructGPT eq. 2).
 
-    ``KL_t`` from the (B, T) ``logp`` (pi_old) and ``ref_logp`` (None: no KL), ``r = pi_ref /
-    pi_old``: k1 ``-log r`` (default), k2 ``(log r)^2 / 2``, k3 ``r - log r - 1`` (Schulman 2020).
-    As a reward through the policy gradient, k1's expected gradient is that of KL(pi || pi_ref), so
-    PPO optimises ``E[score] - beta * KL(pi || pi_ref)``; k3's is that of KL(pi || pi_ref) -
-    KL(pi_ref || pi), k2's that of E_pi[k2] - KL(pi || pi_ref) (tests/test_kl.py, docs/grpo_lm.md).
+    ``KL_t`` from the (B, T) ``old_logp`` (pi_old, which sampled the tokens) and ``ref_logp``
+    (None: no KL), ``r = pi_ref / pi_old``: k1 ``-log r`` (default), k2 ``(log r)^2 / 2``, k3 ``r -
+    log r - 1`` (Schulman 2020). As a reward through the policy gradient, k1's expected gradient is
+    that of KL(pi || pi_ref), so PPO optimises ``E[score] - beta * KL(pi || pi_ref)``; k3's is that
+    of KL(pi || pi_ref) - KL(pi_ref || pi), k2's that of E_pi[k2] - KL(pi || pi_ref)
+    (tests/test_kl.py, docs/grpo_lm.md).
     """
     kl = torch.zeros_like(mask)  # no reference model (beta = 0): no KL
     if ref_logp is not None:  # masked first: whatever follows the EOS (even inf) never enters
-        log_r = torch.where(mask.bool(), ref_logp - logp, 0.0)
-        kl = dict(k1=-log_r, k2=log_r**2 / 2, k3=torch.exp(log_r) - log_r - 1)[estimator]
+        valid = mask.bool()
+        log_r = torch.where(valid, ref_logp - old_logp, 0.0)
+        if estimator == "k1":
+            kl = -log_r
+        elif estimator == "k2":
+            kl = log_r**2 / 2
+        else:
+            kl = torch.exp(log_r) - log_r - 1  # k3
     rewards = -beta * kl
-    last = mask.sum(1).long().clamp(min=1) - 1  # index of each completion's last valid token
-    rewards[torch.arange(len(last)), last] += scores.to(rewards)
+    lengths = mask.sum(1).long()
+    last = lengths.clamp(min=1) - 1  # index of each completion's last valid token
+    rows = torch.arange(len(last))
+    rewards[rows, last] += scores.to(rewards)
     return rewards, kl
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8, all_reduce=lambda t: t) -> torch.Tensor:
+def masked_whiten(x, mask, *, shift_mean=True, all_reduce=lambda tensor: tensor) -> torch.Tensor:
     """``(x - mean) / std`` of the (B, T) ``x``, mean and unbiased std over the valid tokens only
     (``shift_mean=False``: the mean is kept), 0 at masked tokens. The N+ details whiten the
     advantages, and optionally the rewards. ``all_reduce`` sums a tensor over processes (torchrun:
     ``common.all_reduce``, so the statistics are those of the global batch)."""
-    n, total = all_reduce(torch.stack([mask.sum(), (x * mask).sum()]))
-    mean = total / n.clamp(min=1)
-    var = all_reduce((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1)
-    out = (x - mean) * torch.rsqrt(var + eps)
+    local_count = mask.sum()
+    local_total = (x * mask).sum()
+    count, total = all_reduce(torch.stack([local_count, local_total]))
+    mean = total / count.clamp(min=1)
+    centered = x - mean
+    squares = ((centered * mask) ** 2).sum()
+    var = all_reduce(squares) / (count - 1).clamp(min=1)
+    whitened = centered * torch.rsqrt(var + 1e-8)  # 1e-8: the N+ details' and TRL's
     if not shift_mean:
-        out = out + mean
-    return out * mask
+        whitened = whitened + mean
+    return whitened * mask
 
 
-def gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards, values, mask, *, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (B, T) and 0 at masked positions: Generalized Advantage
     Estimation over tokens (Schulman et al. 2016, eq. 16) from the (B, T) rewards and values.
 
     ``delta_t = r_t + gamma * V(s_t+1) - V(s_t)``, ``A_t = delta_t + gamma * lam * A_t+1``, ``R_t =
     A_t + V(s_t)``. The state after the last valid token is terminal: valued 0, nothing after it.
     """
-    rewards, values = rewards * mask, values * mask
-    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # terminal: 0
+    rewards = rewards * mask
+    values = values * mask
+    terminal = torch.zeros_like(values[:, :1])  # V of the state after the last token: 0
+    next_values = torch.cat([values[:, 1:], terminal], 1)
     deltas = rewards + gamma * next_values - values
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
+    decay = gamma * lam
     for t in reversed(range(rewards.shape[1])):
-        running = deltas[:, t] + gamma * lam * running
+        running = deltas[:, t] + decay * running
         advantages[:, t] = running
     advantages = advantages * mask
-    return advantages, advantages + values
+    returns = advantages + values
+    return advantages, returns
 
 
-def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, clip_range,
-             clip_range_value, vf_coef, num_sequences, entropy=None, entropy_coef=0.0):  # fmt: skip
+def ppo_loss(
+    logp,
+    old_logp,
+    advantages,
+    mask,
+    *,
+    values,
+    old_values,
+    returns,
+    clip_range,
+    clip_range_value,
+    vf_coef,
+    num_sequences,
+    entropy=None,
+    entropy_coef=0.0,
+):
     """(loss, stats) of a micro-batch: ``-J(theta) + vf_coef * L(phi)`` and detached sums (divide by
     ``tokens``) and extremes for logging.
 
-    Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + entropy_coef * H`` (PPO eq. 7 and
-    its entropy bonus, eq. 9; ``entropy`` H (b, T) with grad, read if ``entropy_coef``); value:
-    ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - R)^2)`` (N+ details). Both are
-    averaged over each sequence's ``|o|`` tokens (as grpo_lm.py does), summed and divided by the
-    ``num_sequences`` of the whole minibatch, so micro-batch losses add up to the minibatch's. All
-    tensors are (b, T): ``logp`` and
-    ``values`` with grad, the others from sampling time, ``advantages`` whitened; ``mask`` 1 up to
-    the first EOS.
+    Policy: ``min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + entropy_coef * H``, eps the
+    ``clip_range`` (PPO eq. 7 and its entropy bonus, eq. 9; ``entropy`` H (b, T) with grad, read if
+    ``entropy_coef``); value: ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, -eps_v, eps_v) -
+    R)^2)``, eps_v the ``clip_range_value`` (N+ details). Both are averaged over each sequence's
+    ``|o|`` tokens (as grpo_lm.py does), summed and divided by the ``num_sequences`` of the whole
+    minibatch, so micro-batch losses add up to the minibatch's. All tensors are (b, T): ``logp``
+    (pi_theta) and ``values`` with grad; ``old_logp`` (pi_old), ``old_values`` (V_old) and
+    ``returns`` from sampling time, ``advantages`` whitened; ``mask`` 1 up to the first EOS.
     """
     valid = mask.bool()
     log_ratio = torch.where(valid, logp - old_logp, 0.0)  # before exp(): no inf * 0 after the EOS
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    surrogate = torch.min(ratio * advantages, clipped_ratio * advantages)
+    unclipped_objective = ratio * advantages
+    clipped_objective = clipped_ratio * advantages
+    surrogate = torch.min(unclipped_objective, clipped_objective)  # pessimistic: the lower
     if entropy_coef:  # the entropy bonus, in the policy loss
         surrogate = surrogate + entropy_coef * entropy
-    eps_v = clip_range_value
-    values_clipped = old_values + torch.clamp(values - old_values, -eps_v, eps_v)
+    value_change = torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    values_clipped = old_values + value_change
     value_losses = (values - returns) ** 2
     value_losses_clipped = (values_clipped - returns) ** 2
-    per_token_vf = 0.5 * torch.max(value_losses, value_losses_clipped)
+    per_token_value_loss = 0.5 * torch.max(value_losses, value_losses_clipped)
     lengths = mask.sum(1).clamp(min=1)  # |o|
-    policy_loss = -((surrogate * mask).sum(1) / lengths).sum() / num_sequences
-    value_loss = ((per_token_vf * mask).sum(1) / lengths).sum() / num_sequences
+    policy_per_sequence = (surrogate * mask).sum(1) / lengths
+    value_per_sequence = (per_token_value_loss * mask).sum(1) / lengths
+    policy_loss = -policy_per_sequence.sum() / num_sequences
+    value_loss = value_per_sequence.sum() / num_sequences
     loss = policy_loss + vf_coef * value_loss
     with torch.no_grad():
-        clipped = (advantages > 0) & (ratio > 1 + clip_range)  # where the clip takes the gradient
-        clipped |= (advantages < 0) & (ratio < 1 - clip_range)
-        value_clipped = ((value_losses_clipped > value_losses).float() * mask).sum()
-        approx_kl = (((ratio - 1) - log_ratio) * mask).sum()  # k3 of KL(pi_old || pi)
-        ratios = ratio[valid] if valid.any() else ratio.new_ones(1)  # none valid: 1
-        stats = dict(policy_loss=policy_loss.detach(), value_loss=value_loss.detach())
-        stats |= dict(
-            tokens=mask.sum(), clipped=(clipped.float() * mask).sum(), approx_kl=approx_kl
-        )
-        stats |= dict(value_clipped=value_clipped, ratio_max=ratios.max())
+        # where the clip takes the gradient away
+        clipped_high = (advantages > 0) & (ratio > 1 + clip_range)
+        clipped_low = (advantages < 0) & (ratio < 1 - clip_range)
+        clipped = clipped_high | clipped_low
+        value_clipped = (value_losses_clipped > value_losses).float()
+        approx_kl = (ratio - 1) - log_ratio  # k3 of KL(pi_old || pi)
+        ratio_max = ratio.new_ones(1).max()  # none valid: 1
+        if valid.any():
+            ratio_max = ratio[valid].max()
+        stats = {"policy_loss": policy_loss.detach(), "value_loss": value_loss.detach()}
+        stats["tokens"] = mask.sum()
+        stats["clipped"] = (clipped.float() * mask).sum()
+        stats["approx_kl"] = (approx_kl * mask).sum()
+        stats["value_clipped"] = (value_clipped * mask).sum()
+        stats["ratio_max"] = ratio_max
     return loss, stats
 
 
-def adaptive_kl_coef(beta, kl: float, target: float, num_sequences: int, horizon: int) -> float:
+def adaptive_kl_coef(beta, kl: float, *, target: float, num_sequences: int, horizon: int) -> float:
     """The next beta of the adaptive KL controller (Ziegler et al. 2019 §2.2, their
     lm-human-preferences code): ``beta * (1 + clip(kl / target - 1, -0.2, 0.2) * num_sequences /
     horizon)``, ``kl`` the batch's mean KL per sequence (nats). It never stops an update early."""
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + error * num_sequences / horizon)
+    error = kl / target - 1  # the KL's proportional error
+    clipped_error = min(max(error, -0.2), 0.2)
+    return beta * (1 + clipped_error * num_sequences / horizon)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,130 +427,256 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
     rank). ``task`` replaces the built-in task: any :class:`tasks.Task`, e.g. with your own reward.
     """
     validate(args)  # a bad flag, checkpoint, dataset or reward file: one line, before any load
-    checkpoint = common.resume_checkpoint(dataclasses.asdict(args), SCRIPT, FROZEN)  # --resume's
-    data = Path(args.dataset).stem if args.dataset else args.task
-    name = args.run_name or f"{data}__ppo__{args.seed}__{int(time.time())}"
-    run_dir = common.make_run_dir(args.runs_dir, name, args.resume, args.eval_only)
-    fields = (args.prompt_field, args.answer_field, args.reward_fn, args.reward_weights)
-    task = task or tasks.task_of(args.task, args.dataset, *fields, args.eval_size)
-    tokenizer = common.load_tokenizer(args.model_name_or_path)
-    style = (args.system_prompt, args.response_prefix)  # every prompt's system message and prefix
+    flags = dataclasses.asdict(args)
+    checkpoint = common.resume_checkpoint(flags, SCRIPT, FROZEN)  # --resume's, checked
+    model_path = args.model_name_or_path
+    data_name = Path(args.dataset or args.task).stem
+    unix_time = int(time.time())
+    default_name = f"{data_name}__ppo__{args.seed}__{unix_time}"
+    run_name = args.run_name or default_name
+    run_dir = common.make_run_dir(args.runs_dir, run_name, args.resume, args.eval_only)
+    task = task or tasks.task_of(
+        args.task,
+        args.dataset,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        reward_fn=args.reward_fn,
+        reward_weights=args.reward_weights,
+        eval_size=args.eval_size,
+        correct_fn=args.correct_fn,
+        eval_dataset=args.eval_dataset,
+    )
+    tokenizer = common.load_tokenizer(model_path)
     if not args.eval_only:  # the training questions whose prompts fit
-        limits = (args.max_prompt_length, args.prompts_per_step, args.max_new_tokens)
         questions = tasks.training_questions(
-            task, tokenizer, style, *limits, args.model_name_or_path
+            task,
+            tokenizer,
+            system_prompt=args.system_prompt,
+            response_prefix=args.response_prefix,
+            max_prompt_length=args.max_prompt_length,
+            minimum=args.prompts_per_step,
+            max_new_tokens=args.max_new_tokens,
+            model_path=model_path,
         )
-    # torchrun: each process samples and trains on its share of the batch
-    rank, world, device = common.start_processes(args.device)
+    rank, world, device = common.start_processes(args.device)  # torchrun: each its share of a batch
     torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
 
-    options = (tokenizer, task, args.eval_size, args.max_new_tokens, args.eval_batch_size, style)
-    sampling = (args.eval_samples, args.temperature, args.top_p, args.seed)  # --eval-samples
-    held_out = lambda pi: tasks.held_out_accuracy(pi, *options, args.bf16, sampling)  # noqa: E731
+    def held_out(pi):  # (metrics, responses) of the held-out questions; --eval-samples: sampled
+        return tasks.held_out_accuracy(
+            pi,
+            tokenizer,
+            task,
+            size=args.eval_size,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.eval_batch_size,
+            system_prompt=args.system_prompt,
+            response_prefix=args.response_prefix,
+            bf16=args.bf16,
+            samples=args.eval_samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+        )
 
-    # The four models, dropout off: the policy pi_theta, a reference pi_ref (a frozen copy of the
-    # initial policy; none with beta = 0), the reward (a frozen reward model, or the task's
-    # verifiable reward) and the value model V_phi (N+ details: from the reward model, else the
-    # policy). Every process loads the same weights: they stay equal (same all-reduced gradients).
-    lora = (args.lora_rank, args.lora_alpha, args.lora_target_modules) if args.lora_rank else None
-    policy = common.load_policy(args.model_name_or_path, device, lora, args.gradient_checkpointing)
+    # The four models of RLHF-PPO, dropout off: the policy pi_theta, a reference pi_ref (a frozen
+    # copy of the initial policy; none with beta = 0), the reward (a frozen reward model, or the
+    # task's verifiable reward) and the value model V_phi (N+ details: from the reward model, else
+    # the policy). Every process loads the same weights: they stay equal (same all-reduced
+    # gradients).
+    lora = None
+    if args.lora_rank:  # LoRA: the reference is the policy with its adapters off
+        lora = (args.lora_rank, args.lora_alpha, args.lora_target_modules)
+    policy = common.load_policy(model_path, device, lora, args.gradient_checkpointing)
     if args.eval_only:  # no training: the held-out accuracy of --resume's policy or of the model
         return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
-    reference = None  # read under bf16 autocast alone: bf16 Linear weights (LoRA: adapter off)
-    if args.beta > 0:
+    reference = None
+    if args.beta > 0:  # read under bf16 autocast alone: bf16 Linear weights
         bf16 = common.bf16_active(device, args.bf16)
-        reference = common.load_reference(policy, args.model_name_or_path, device, lora, bf16)
+        reference = common.load_reference(
+            policy, model_path, device, lora=lora is not None, bf16_weights=bf16
+        )
     reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
     policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     value_params = list(value_model.parameters())
-    params = policy_params, value_params  # each model's gradients clipped on their own
     value_lr = args.value_learning_rate or args.learning_rate
-    groups = [dict(params=policy_params), dict(params=value_params, lr=value_lr)]
+    policy_group = {"params": policy_params}
+    value_group = {"params": value_params, "lr": value_lr}
     adam = dict(lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
+    groups = [policy_group, value_group]
     optimizer = torch.optim.AdamW(groups, **adam, fused=True)  # fused: one kernel (CPU and CUDA)
-    start_step, beta = restore(checkpoint, args, policy, value_model, optimizer)  # 0, --beta: new
-    bar = dict(reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean")
-    log_args = (rank, start_step, checkpoint is not None, "ppo", bar, args.track)
-    log = common.RunLog(run_dir, dataclasses.asdict(args), *log_args)
-    sampler = Sampler(policy, tokenizer, questions, rank, world)
-    log.evaluate(0, args.eval_size > 0 and not checkpoint, lambda: held_out(policy)[0])  # start
-    common.rng_state(checkpoint["rng"]) if checkpoint else None  # last: loading must not shift it
+    start_step, beta = restore(checkpoint, args, policy, optimizer, value_model=value_model)
+    progress_bar = dict(
+        reward="reward/mean", kl="loss/kl", vloss="loss/value", len="completion/length_mean"
+    )
+    log = common.RunLog(
+        run_dir,
+        flags,
+        rank=rank,
+        start_step=start_step,
+        resumed=checkpoint is not None,
+        name="ppo",
+        postfix=progress_bar,
+        track=args.track,
+    )
+    sampler = Sampler(
+        policy=policy,
+        tokenizer=tokenizer,
+        questions=questions,
+        task=task,
+        reward_model=reward_model,
+        rank=rank,
+        world=world,
+        device=device,
+    )
+    evaluate_first = args.eval_size > 0 and not checkpoint  # the held-out accuracy at step 0
+    log.evaluate(0, evaluate_first, lambda: held_out(policy)[0])
+    if checkpoint:  # last: loading must not shift the random state
+        common.rng_state(checkpoint["rng"])
 
     # Under torchrun each process holds N of the --prompts-per-step prompts; a minibatch is
     # minibatch_size prompts of every process, and the losses divide by minibatch_size * world.
     N = args.prompts_per_step // world
     minibatch_size = N // args.num_minibatches
-    M = minibatch_size * world  # sequences per minibatch, of every process: the losses divide by M
-    coefs = args.clip_range, args.clip_range_value, args.vf_coef  # eq. 1's eps, N+ details
-    bonus = args.entropy_coef  # PPO eq. 9's c2
-    temperature, micro_batch_size = args.temperature, args.micro_batch_size
-    for step in log.progress(start_step, args.total_steps):
+    num_sequences = minibatch_size * world  # a minibatch's sequences, of every process
+    steps = range(start_step, args.total_steps)
+    for step in log.progress(steps, args.total_steps):
         t0 = time.time()
-        # ---- 1. Rollout: a completion per prompt from pi_old = the policy, cut after its EOS ----
-        batch = rollout(sampler, args, device, step)  # Batch
+        # ---- 1. Rollout: a completion of each prompt from pi_old (the policy as it is now) ----
+        batch = rollout(sampler, args, step)
         mask = batch.completion_mask  # (N, T): 1 up to and including each completion's first EOS
         gen_time = time.time() - t0
 
         # ---- 2. Score each completion: the reward model (as it pools) or the task's reward ----
-        batch = score(batch, reward_model, task, args, device)
-        scores = batch.score - args.missing_eos_penalty * batch.truncated.float()  # TRL's penalty
+        batch = score(batch, sampler, args)
+        scores = batch.score
+        if args.missing_eos_penalty:  # TRL's: a completion without EOS scores less
+            penalty = args.missing_eos_penalty * batch.truncated.float()
+            scores = scores - penalty
 
-        # ---- 3. pi_old and pi_ref log probs and V_old values of the sampled tokens (no grad) ----
-        old_logp, old_values = torch.zeros_like(mask), torch.zeros_like(mask)
-        ref_logp = torch.zeros_like(mask) if reference is not None else None
-        everyone = torch.arange(N, device=device)
+        # ---- 3. No-grad forward passes: log probs of pi_old and pi_ref, values V_old(s_t) ----
+        old_logp = torch.zeros_like(mask)
+        old_values = torch.zeros_like(mask)
+        ref_logp = None
+        if reference is not None:
+            ref_logp = torch.zeros_like(mask)
+        all_sequences = torch.arange(N, device=device)
+        micro_batches = make_micro_batches(all_sequences, batch, args.micro_batch_size)
         with torch.no_grad(), common.bf16_autocast(device, args.bf16):
-            for idx, ids, att, t in make_micro_batches(everyone, batch, micro_batch_size):
-                old_logp[idx, :t] = token_log_probs(policy, ids, att, t, temperature)
-                old_values[idx, :t] = token_values(value_model, ids, att, t)
+            for idx, ids, att, width in micro_batches:
+                old_logp[idx, :width] = token_log_probs(
+                    policy, ids, att, width, temperature=args.temperature
+                )
+                old_values[idx, :width] = token_values(value_model, ids, att, width)
                 if reference is not None:
-                    ref_logp[idx, :t] = token_log_probs(reference, ids, att, t, temperature)
+                    ref_logp[idx, :width] = token_log_probs(
+                        reference, ids, att, width, temperature=args.temperature
+                    )
 
         # ---- 4. Per-token rewards: -beta * KL_t on every token, the score on the last (eq. 2) ----
-        kl_terms = (old_logp, ref_logp, mask, beta, args.kl_estimator)
-        rewards, kl = per_token_rewards(scores.to(device), *kl_terms)
+        rewards, kl = per_token_rewards(
+            scores, old_logp, ref_logp, mask, beta=beta, estimator=args.kl_estimator
+        )
         if args.whiten_rewards:  # N+ details (optional): unit variance over valid tokens, mean kept
             rewards = masked_whiten(rewards, mask, shift_mean=False, all_reduce=common.all_reduce)
 
-        # ---- 5. GAE advantages and value targets R_t = A_t + V(s_t); advantages whitened ----
-        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+        # ---- 5. GAE: advantages A_t and returns R_t = A_t + V(s_t); advantages whitened ----
+        advantages, returns = gae(rewards, old_values, mask, gamma=args.gamma, lam=args.lam)
         advantages = masked_whiten(advantages, mask, all_reduce=common.all_reduce)  # every process
 
         # ---- 6. PPO updates: --num-ppo-epochs passes, --num-minibatches optimizer steps each ----
-        loss_stats, grad_norms = [], []  # ppo_loss's of each micro-batch, norms of each update
-        t2 = time.time()
+        loss_stats = []  # ppo_loss's stats of each micro-batch, for step_metrics
+        grad_norms = []  # each update's (policy, value model) gradient norms
+        updates_t0 = time.time()
         for _ in range(args.num_ppo_epochs):
-            for minibatch in torch.randperm(N, device=device).split(minibatch_size):  # new split
+            order = torch.randperm(N, device=device)  # a new split into minibatches each epoch
+            for minibatch in order.split(minibatch_size):
                 optimizer.zero_grad(set_to_none=True)
-                for model in (policy, value_model):  # HF recomputes activations in train mode
-                    model.train(args.gradient_checkpointing)
-                for idx, ids, att, t in make_micro_batches(minibatch, batch, micro_batch_size):
+                # dropout is off (zeroed at load); train mode makes HF's gradient checkpointing
+                # recompute activations, and does nothing else here
+                policy.train(args.gradient_checkpointing)
+                value_model.train(args.gradient_checkpointing)
+                micro_batches = make_micro_batches(minibatch, batch, args.micro_batch_size)
+                for idx, ids, att, width in micro_batches:
                     with common.bf16_autocast(device, args.bf16):
-                        logp, H = token_log_probs(policy, ids, att, t, temperature, bonus)
-                        values = token_values(value_model, ids, att, t)
-                    old_lp, old_v = old_logp[idx, :t], old_values[idx, :t]
-                    adv, ret, m = advantages[idx, :t], returns[idx, :t], mask[idx, :t]
-                    inputs = (logp, old_lp, adv, values, old_v, ret, m, *coefs, M, H, bonus)
-                    loss, stats = ppo_loss(*inputs)
+                        logp, entropy = token_log_probs(
+                            policy,
+                            ids,
+                            att,
+                            width,
+                            temperature=args.temperature,
+                            entropy_coef=args.entropy_coef,
+                        )
+                        values = token_values(value_model, ids, att, width)
+                    mb_old_logp = old_logp[idx, :width]
+                    mb_advantages = advantages[idx, :width]
+                    mb_mask = mask[idx, :width]
+                    mb_old_values = old_values[idx, :width]
+                    mb_returns = returns[idx, :width]
+                    loss, stats = ppo_loss(
+                        logp,
+                        mb_old_logp,
+                        mb_advantages,
+                        mb_mask,
+                        values=values,
+                        old_values=mb_old_values,
+                        returns=mb_returns,
+                        clip_range=args.clip_range,
+                        clip_range_value=args.clip_range_value,
+                        vf_coef=args.vf_coef,
+                        num_sequences=num_sequences,
+                        entropy=entropy,
+                        entropy_coef=args.entropy_coef,
+                    )
                     loss.backward()
-                    loss_stats.append({**stats, "entropy": (H.detach() * m).sum()})
-                policy.eval(), value_model.eval()
-                common.all_reduce_gradients(policy_params + value_params)  # torchrun: DDP's
-                norms = [common.clip_gradients(p, args.max_grad_norm, step) for p in params]
-                grad_norms.append(norms)
+                    stats["entropy"] = (entropy.detach() * mb_mask).sum()
+                    loss_stats.append(stats)
+                policy.eval()
+                value_model.eval()
+                if world > 1:  # torchrun: the gradients summed over processes, as DDP does
+                    common.all_reduce_gradients(policy_params + value_params)
+                # each model's gradient norm clipped on its own (a non-finite norm stops the run)
+                policy_norm = common.clip_gradients_or_stop(policy_params, args.max_grad_norm, step)
+                value_norm = common.clip_gradients_or_stop(value_params, args.max_grad_norm, step)
+                grad_norms.append((policy_norm, value_norm))
                 optimizer.step()
 
-        # ---- 7. The KL coefficient beta of the next step: fixed (N+ details), or adaptive ----
-        beta_used, beta = beta, next_beta(beta, kl, args)  # Ziegler et al. 2019
+        # ---- 7. KL controller: the next step's beta (fixed by default, as the N+ details) ----
+        step_beta = beta  # this step's, logged
+        if args.adaptive_kl_target:  # Ziegler et al. 2019 §2.2: beta steers the KL to a target
+            kl_sum = common.all_reduce(kl.sum()).item()  # every process's
+            kl_per_sequence = kl_sum / args.prompts_per_step
+            beta = adaptive_kl_coef(
+                beta,
+                kl_per_sequence,
+                target=args.adaptive_kl_target,
+                num_sequences=args.prompts_per_step,
+                horizon=args.adaptive_kl_horizon,
+            )
 
         # ---- logging, evaluation (every --eval-every), checkpoints (every --save-every) ----
-        timing = t0, gen_time, t2
-        metrics = step_metrics(args, batch, scores, kl, beta_used, loss_stats, grad_norms, *timing)
-        log(step + 1, metrics | value_metrics(old_values, returns, mask.bool()))  # V_old and R_t
-        log.samples(step + 1, sample_lines(batch), args.sample_every)
-        due = step + 1 == args.total_steps or args.eval_every and (step + 1) % args.eval_every == 0
-        log.evaluate(step + 1, args.eval_size > 0 and due, lambda: held_out(policy)[0])
-        save_checkpoint(log, step + 1, args, policy, value_model, optimizer, beta)
+        metrics = step_metrics(
+            args,
+            batch,
+            scores,
+            kl,
+            beta=step_beta,
+            loss_stats=loss_stats,
+            grad_norms=grad_norms,
+            t0=t0,
+            gen_time=gen_time,
+            updates_t0=updates_t0,
+        )
+        metrics |= value_metrics(old_values, returns, mask.bool())  # V_old and R_t
+        done = step + 1  # steps done
+        log(done, metrics)
+        log.samples(done, sample_lines(batch), args.sample_every)
+        is_last = done == args.total_steps
+        periodic = args.eval_every > 0 and done % args.eval_every == 0
+        eval_due = (is_last or periodic) and args.eval_size > 0
+        log.evaluate(done, eval_due, lambda: held_out(policy)[0])
+        save_checkpoint(
+            log, done, args, policy, value_model=value_model, optimizer=optimizer, beta=beta
+        )
     log.close()
     if rank == 0 and args.total_steps > start_step:
         common.save_pretrained(policy, tokenizer, run_dir / "final_model")
@@ -490,49 +691,79 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Sampler:
-    """What step 1 samples with."""
+    """What steps 1-2 sample with and score by."""
 
     policy: Any  # pi_old: the policy as it is when the step starts
     tokenizer: Any
     questions: list[dict]  # the training questions whose prompts fit --max-prompt-length
+    task: tasks.Task
+    reward_model: Any  # None: the task's verifiable reward
     rank: int  # torchrun: this process samples the prompts rank * N .. rank * N + N - 1 of a step
     world: int
+    device: torch.device
 
 
-def rollout(sampler: Sampler, args: Args, device, step: int) -> Batch:
+def rollout(sampler: Sampler, args: Args, step: int) -> Batch:
     """Step 1: this process's N prompts of the step and one completion of each from pi_old, the
     current policy; scores unset.
 
-    The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits / T)``
-    (within the top-p nucleus), in calls of --generation-prompts-per-call prompts, each reseeded
-    from ``(--seed, step, global index of its first prompt)``: samples do not depend on the number
-    of processes. Each completion is padded after its first EOS (:func:`completion_mask`).
+    The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits /
+    temperature)`` (within the top-p nucleus), in calls of --generation-prompts-per-call prompts,
+    each reseeded from ``(--seed, step, global index of its first prompt)``: samples do not depend
+    on the number of processes. Each completion is padded after its first EOS
+    (:func:`completion_mask`).
 
     Raises:
         UsageError: the sampling probabilities are not finite (diverged weights).
     """
-    tokenizer, N = sampler.tokenizer, args.prompts_per_step // sampler.world
-    first, pad = sampler.rank * N, tokenizer.pad_token_id  # this process's prompts: first + 0..N-1
+    tokenizer = sampler.tokenizer
+    device = sampler.device
+    N = args.prompts_per_step // sampler.world
+    first = sampler.rank * N  # this process's prompts: first + 0..N-1
     rng = np.random.default_rng([args.seed, step])
     picks = rng.choice(len(sampler.questions), args.prompts_per_step, replace=False)
-    examples = [sampler.questions[i] for i in picks[first : first + N]]
-    style = (args.system_prompt, args.response_prefix)
-    prompts = tasks.prompt_ids(tokenizer, [ex["question"] for ex in examples], *style)
-    options = (args.temperature, args.top_p, args.max_new_tokens, args.bf16)
-    seeds = ((args.seed, step), first), args.generation_prompts_per_call
-    rows = common.generate_completions(sampler.policy, prompts, 1, tokenizer, options, *seeds)
+    ours = picks[first : first + N]  # this process's questions
+    examples = [sampler.questions[i] for i in ours]
+    questions = [ex["question"] for ex in examples]
+    prompts = tasks.prompt_ids(tokenizer, questions, args.system_prompt, args.response_prefix)
+    seed_keys = (args.seed, step)  # with each row's place in the batch: its draws' seed
+    rows = common.generate_completions(
+        sampler.policy,
+        prompts,
+        1,
+        tokenizer,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        bf16=args.bf16,
+        seed_keys=seed_keys,
+        first_index=first,
+        per_call=args.generation_prompts_per_call,
+    )
+    pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = common.pad_left(prompts, pad, device)
-    rows = [torch.tensor(row, device=device) for row in rows]  # padded after the EOS
-    completion_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
+    row_tensors = [torch.tensor(row, device=device) for row in rows]  # padded after the EOS
+    completion_ids = torch.nn.utils.rnn.pad_sequence(
+        row_tensors, batch_first=True, padding_value=pad
+    )
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, mask.long()], 1)
-    truncated = ~((completion_ids == tokenizer.eos_token_id) & mask.bool()).any(1).cpu()
-    return Batch(examples, texts, input_ids, attention_mask, prompt_ids.shape[1], mask, truncated)
+    ends = (completion_ids == tokenizer.eos_token_id) & mask.bool()  # each completion's EOS
+    truncated = ~ends.any(1).cpu()
+    return Batch(
+        examples=examples,
+        completions=texts,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_width=prompt_ids.shape[1],
+        completion_mask=mask,
+        truncated=truncated,
+    )
 
 
-def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> Batch:
+def score(batch: Batch, sampler: Sampler, args: Args) -> Batch:
     """Step 2: ``batch.score``, (N,) on the CPU, before the missing-EOS penalty: the frozen reward
     model's, read where its own forward pass pools, or else the task's reward (with --reward-fn
     each function's own rewards too, in ``reward_fns``); and ``correct``, the final answer is right.
@@ -541,10 +772,17 @@ def score(batch: Batch, reward_model, task: tasks.Task, args: Args, device) -> B
     Raises:
         UsageError: a reward function raises or returns a non-finite value.
     """
+    task = sampler.task
     responses = [args.response_prefix + c for c in batch.completions]
-    if reward_model is not None:
-        inputs = batch.input_ids, batch.attention_mask, args.micro_batch_size, device, args.bf16
-        batch.score = tasks.score_with_reward_model(reward_model, *inputs)
+    if sampler.reward_model is not None:
+        batch.score = tasks.score_with_reward_model(
+            sampler.reward_model,
+            batch.input_ids,
+            batch.attention_mask,
+            args.micro_batch_size,
+            device=sampler.device,
+            bf16=args.bf16,
+        )
     else:
         batch.score, batch.reward_fns = tasks.score_task(task, responses, batch.examples)
     batch.correct = tasks.score_correct(task, responses, batch.examples)
@@ -560,14 +798,20 @@ def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, An
         UsageError: a model that cannot take a value head, or whose vocabulary does not fit the
             tokenizer.
     """
-    reward_model, path, flag = None, args.model_name_or_path, "--model-name-or-path"
-    if args.reward_model_path is not None:
-        path, flag = args.reward_model_path, "--reward-model-path"
-        reward_model = common.load_reward_model(path, tokenizer, device)
+    if args.reward_model_path is None:  # the value model starts from the policy
+        reward_model = None
+        model_path = args.model_name_or_path
+        flag = "--model-name-or-path"
+    else:  # ... from the reward model (N+ details)
+        model_path = args.reward_model_path
+        flag = "--reward-model-path"
+        reward_model = common.load_reward_model(model_path, tokenizer, device)
         reward_model.eval().requires_grad_(False)  # frozen
-    value_model = common.load_model(path, "reward", device, flag, len(tokenizer)).eval()
-    check(hasattr(value_model, "score"), f"{flag}: cannot attach a value head ('score') to {path}")
-    if reward_model is None:
+    value_model = common.load_model(model_path, "reward", device, flag=flag, vocab=len(tokenizer))
+    value_model.eval()
+    no_head = f"{flag}: cannot attach a value head ('score') to {model_path}"
+    check(hasattr(value_model, "score"), no_head)
+    if reward_model is None:  # a new head: zeroed
         for p in value_model.score.parameters():
             torch.nn.init.zeros_(p)
     if args.gradient_checkpointing:  # HF checkpoints in train mode only: the updates switch it on
@@ -576,33 +820,25 @@ def load_reward_and_value_models(args: Args, tokenizer, device) -> tuple[Any, An
 
 
 # ----------------------------------------------------------------------------------------------
-# Extension (off by default): the adaptive KL controller of Ziegler et al. 2019
-# ----------------------------------------------------------------------------------------------
-def next_beta(beta: float, kl: torch.Tensor, args: Args) -> float:
-    """Step 7: the next step's KL coefficient: ``beta`` without --adaptive-kl-target, else moved by
-    :func:`adaptive_kl_coef` from the mean KL per sequence of the global batch (``kl``: this
-    process's (N, T) KL_t, 0 after the EOS)."""
-    if args.adaptive_kl_target is None:
-        return beta
-    kl_per_sequence = common.all_reduce(kl.sum()).item() / args.prompts_per_step  # all processes'
-    target, horizon = args.adaptive_kl_target, args.adaptive_kl_horizon
-    return adaptive_kl_coef(beta, kl_per_sequence, target, args.prompts_per_step, horizon)
-
-
-# ----------------------------------------------------------------------------------------------
 # Scale-out and speed: micro-batches (torchrun: common.py)
 # ----------------------------------------------------------------------------------------------
 def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int):
     """``indices`` in micro-batches of ``size`` sequences of similar completion length, each
-    (idx, input_ids, attention_mask, t) trimmed of the padding it does not need (left of its longest
-    prompt, right of its longest completion: the completions fill the last t columns). The losses
-    are sums over sequences, so the grouping changes no result, only the time spent on padding."""
-    mask, P = batch.completion_mask, batch.prompt_width
-    order = indices[torch.argsort(mask[indices].sum(1), descending=True, stable=True)]
+    (idx, input_ids, attention_mask, width) trimmed of the padding it does not need (left of its
+    longest prompt, right of its longest completion: the completions fill the last ``width``
+    columns). The losses are sums over sequences, so the grouping changes no result, only the time
+    spent on padding."""
+    P = batch.prompt_width
+    lengths = batch.completion_mask.sum(1)  # (N,) each completion's tokens
+    order = indices[torch.argsort(lengths[indices], descending=True, stable=True)]
     for idx in order.split(size):
-        first = int(batch.attention_mask[idx, :P].any(0).float().argmax())  # first real column
-        t = int(mask[idx].sum(1).max())
-        yield idx, batch.input_ids[idx, first : P + t], batch.attention_mask[idx, first : P + t], t
+        real = batch.attention_mask[idx, :P].any(0)  # the prompt columns with a real token
+        first = int(real.float().argmax())
+        width = int(lengths[idx].max())  # its longest completion
+        columns = slice(first, P + width)
+        input_ids = batch.input_ids[idx, columns]
+        attention_mask = batch.attention_mask[idx, columns]
+        yield idx, input_ids, attention_mask, width
 
 
 # ----------------------------------------------------------------------------------------------
@@ -610,10 +846,27 @@ def make_micro_batches(indices: torch.Tensor, batch: Batch, size: int):
 # ----------------------------------------------------------------------------------------------
 SCRIPT = "ppo_lm.py"  # written into checkpoints: --resume refuses another script's
 # the flags a resumed run cannot change: its directory, data, objective, weights' shapes
-FROZEN = ("model_name_or_path", "runs_dir", "run_name", "task", "dataset", "prompt_field",
-          "answer_field", "eval_size", "max_prompt_length", "system_prompt", "response_prefix",
-          "reward_fn", "reward_weights", "reward_model_path", "lora_rank", "lora_alpha",
-          "lora_target_modules")  # fmt: skip
+FROZEN = (
+    "model_name_or_path",
+    "runs_dir",
+    "run_name",
+    "task",
+    "dataset",
+    "eval_dataset",
+    "prompt_field",
+    "answer_field",
+    "eval_size",
+    "max_prompt_length",
+    "system_prompt",
+    "response_prefix",
+    "reward_fn",
+    "reward_weights",
+    "correct_fn",
+    "reward_model_path",
+    "lora_rank",
+    "lora_alpha",
+    "lora_target_modules",
+)
 # ppo_loss's sums, added over the micro-batches of a step
 SUMMED = ("policy_loss", "value_loss", "tokens", "clipped", "value_clipped", "approx_kl", "entropy")
 
@@ -623,22 +876,33 @@ def validate(args: Args) -> None:
     before anything loads: each flag's own constraint and the rules both LM scripts share
     (``common.check_flags``, ``tasks.check_task_flags``), then PPO's."""
     common.check_flags(Args, dataclasses.asdict(args))
-    prompt_flags = (args.prompt_field, args.answer_field, args.system_prompt, args.response_prefix)
-    tasks.check_task_flags(args.reward_fn, args.reward_weights, *prompt_flags)
+    tasks.check_task_flags(
+        args.reward_fn,
+        args.reward_weights,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        system_prompt=args.system_prompt,
+        response_prefix=args.response_prefix,
+    )
     two = "--reward-fn and --reward-model-path are two rewards: pick one"
     check(not (args.reward_fn and args.reward_model_path), two)
-    prompts, world, minibatches = args.prompts_per_step, common.world_size(), args.num_minibatches
+    prompts = args.prompts_per_step
+    world = common.world_size()
+    minibatches = args.num_minibatches
     divisible = f"must be divisible by --num-minibatches {minibatches}"
-    check(prompts % minibatches == 0, f"--prompts-per-step {prompts} {divisible}")
+    by_minibatches = f"--prompts-per-step {prompts} {divisible}"
+    check(prompts % minibatches == 0, by_minibatches)
     needs_beta = "--adaptive-kl-target needs --beta > 0 (the controller scales beta)"
     check(args.adaptive_kl_target is None or args.beta > 0, needs_beta)
     processes = f"the world size {world} (the number of torchrun processes)"
-    check(prompts % world == 0, f"--prompts-per-step {prompts} must be divisible by {processes}")
-    per_process = f"--prompts-per-step {prompts} / world size {world} = {prompts // world}"
-    check(prompts // world % minibatches == 0, f"{per_process} prompts per process {divisible}")
+    by_processes = f"--prompts-per-step {prompts} must be divisible by {processes}"
+    check(prompts % world == 0, by_processes)
+    per_process = prompts // world
+    share = f"--prompts-per-step {prompts} / world size {world} = {per_process}"
+    check(per_process % minibatches == 0, f"{share} prompts per process {divisible}")
 
 
-def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer):
+def restore(checkpoint: dict | None, args: Args, policy, optimizer, *, value_model):
     """Resume: the checkpoint's weights and optimizer state, whose hyperparameters the flags given
     now set again (--learning-rate, --value-learning-rate, --adam-eps, --weight-decay). Returns the
     step to start from and its KL coefficient: with --adaptive-kl-target on resume the controller's
@@ -649,89 +913,121 @@ def restore(checkpoint: dict | None, args: Args, policy, value_model, optimizer)
     common.load_trained_weights(policy, checkpoint["policy"])  # the same models: the weights fit
     value_model.load_state_dict(checkpoint["value_model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
-    lrs = (args.learning_rate, args.value_learning_rate or args.learning_rate)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+    value_lr = args.value_learning_rate or args.learning_rate
+    learning_rates = (args.learning_rate, value_lr)
+    for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
         group.update(lr=lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    return checkpoint["step"], checkpoint["kl_coef"] if args.adaptive_kl_target else args.beta
+    beta = args.beta
+    if args.adaptive_kl_target:  # the controller's beta continues
+        beta = checkpoint["kl_coef"]
+    return checkpoint["step"], beta
 
 
-def step_metrics(args, batch, scores, kl, beta, loss_stats, grad_norms, t0, gen_time, t2) -> dict:
+def step_metrics(
+    args, batch, scores, kl, *, beta, loss_stats, grad_norms, t0, gen_time, updates_t0
+):
     """A step's logged scalars over the global batch (gathered from every process): ``reward/mean``
     is the score before the missing-EOS penalty, ``reward/score`` after it, ``reward/non_score`` the
     summed -beta * KL_t; ``loss/*`` means over the updates or over the tokens of every micro-batch.
-    ``loss_stats``: :func:`ppo_loss`'s of each micro-batch; ``grad_norms``: each update's gradient
-    norms; ``t0``, ``gen_time``, ``t2``: the step's start, step 1's seconds and step 6's start."""
+    ``loss_stats``: :func:`ppo_loss`'s of each micro-batch; ``grad_norms``: each update's (policy,
+    value model) gradient norms; ``t0``, ``gen_time``, ``updates_t0``: the step's start time, step
+    1's seconds and the start time of step 6, the updates."""
     mask = batch.completion_mask
     non_score = (-beta * kl).sum(1).cpu()
     kl_sum = common.all_reduce(kl.sum()).item()  # every process's; kl is 0 after each EOS
-    rewards_task, correct, scores, non_score, lengths, truncated = (
-        common.all_gather(x.float().cpu())
-        for x in (batch.score, batch.correct, scores, non_score, mask.sum(1), batch.truncated)
-    )
-    sums = torch.tensor([sum(float(s[k]) for s in loss_stats) for k in SUMMED])
-    totals = dict(zip(SUMMED, common.all_reduce(sums).tolist(), strict=True))
-    ratio_max = torch.tensor(max(float(s["ratio_max"]) for s in loss_stats))
-    tokens, now = max(totals["tokens"], 1), time.time()
-    norms = [sum(float(n[k]) for n in grad_norms) / len(grad_norms) for k in (0, 1)]
-    return {
-        "reward/mean": rewards_task.mean().item(),
-        "reward/std": rewards_task.std().item(),
-        "reward/accuracy": correct.mean().item(),
-        "reward/score": scores.mean().item(),
-        "reward/non_score": non_score.mean().item(),
-        "reward/total": (scores + non_score).mean().item(),
-        "loss/policy": totals["policy_loss"] / len(grad_norms),
-        "loss/value": totals["value_loss"] / len(grad_norms),
-        "loss/kl": kl_sum / max(lengths.sum().item(), 1),
-        "loss/clip_fraction": totals["clipped"] / tokens,
-        "loss/value_clip_fraction": totals["value_clipped"] / tokens,
-        "loss/approx_kl": totals["approx_kl"] / tokens,
-        "loss/entropy": totals["entropy"] / tokens,
-        "loss/ratio_max": common.all_reduce(ratio_max, "max").item(),
-        "kl/sequence_mean": kl_sum / args.prompts_per_step,
-        "kl/beta": beta,
-        "completion/length_mean": lengths.float().mean().item(),
-        "completion/frac_truncated": truncated.float().mean().item(),
-        "optim/grad_norm": norms[0],
-        "optim/value_grad_norm": norms[1],
-        "time/generation_s": gen_time,
-        "time/training_s": now - t0 - gen_time,
-        "time/update_s_per_epoch": (now - t2) / args.num_ppo_epochs,
-        "time/step_s": now - t0,
-        **common.peak_memory_gb(kl.device),
-        **common.reward_fn_means(batch.reward_fns),
-    }
+    # every process's sequences
+    raw_scores = common.all_gather(batch.score.float().cpu())  # before the missing-EOS penalty
+    correct = common.all_gather(batch.correct.float().cpu())
+    scores = common.all_gather(scores.float().cpu())
+    non_score = common.all_gather(non_score.float().cpu())
+    lengths = common.all_gather(mask.sum(1).cpu())
+    truncated = common.all_gather(batch.truncated.float().cpu())
+    local_sums = [sum(float(stats[key]) for stats in loss_stats) for key in SUMMED]
+    sums = common.all_reduce(torch.tensor(local_sums)).tolist()  # every process's
+    totals = dict(zip(SUMMED, sums, strict=True))
+    local_ratio_max = max(float(stats["ratio_max"]) for stats in loss_stats)
+    ratio_max = common.all_reduce(torch.tensor(local_ratio_max), "max").item()
+    loss_tokens = max(totals["tokens"], 1)  # the tokens of every update's micro-batches
+    batch_tokens = max(lengths.sum().item(), 1)  # the batch's valid tokens
+    updates = len(grad_norms)
+    policy_norms = [float(policy_norm) for policy_norm, _ in grad_norms]
+    value_norms = [float(value_norm) for _, value_norm in grad_norms]
+    now = time.time()
+    scalars = {}
+    scalars["reward/mean"] = raw_scores.mean().item()
+    scalars["reward/std"] = raw_scores.std().item()
+    scalars["reward/accuracy"] = correct.mean().item()
+    scalars["reward/score"] = scores.mean().item()
+    scalars["reward/non_score"] = non_score.mean().item()
+    scalars["reward/total"] = (scores + non_score).mean().item()
+    scalars["loss/policy"] = totals["policy_loss"] / updates
+    scalars["loss/value"] = totals["value_loss"] / updates
+    scalars["loss/kl"] = kl_sum / batch_tokens
+    scalars["loss/clip_fraction"] = totals["clipped"] / loss_tokens
+    scalars["loss/value_clip_fraction"] = totals["value_clipped"] / loss_tokens
+    scalars["loss/approx_kl"] = totals["approx_kl"] / loss_tokens
+    scalars["loss/entropy"] = totals["entropy"] / loss_tokens
+    scalars["loss/ratio_max"] = ratio_max
+    scalars["kl/sequence_mean"] = kl_sum / args.prompts_per_step
+    scalars["kl/beta"] = beta
+    scalars["completion/length_mean"] = lengths.mean().item()
+    scalars["completion/frac_truncated"] = truncated.mean().item()
+    scalars["optim/grad_norm"] = sum(policy_norms) / updates
+    scalars["optim/value_grad_norm"] = sum(value_norms) / updates
+    scalars["time/generation_s"] = gen_time
+    scalars["time/training_s"] = now - t0 - gen_time
+    scalars["time/update_s_per_epoch"] = (now - updates_t0) / args.num_ppo_epochs
+    scalars["time/step_s"] = now - t0
+    scalars |= common.peak_memory_gb(kl.device)
+    scalars |= common.reward_fn_means(batch.reward_fns)  # --reward-fn
+    return scalars
 
 
 def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tensor) -> dict:
     """``value/*``: the mean value and return over every process's valid tokens, and the explained
     variance ``1 - Var(R - V) / Var(R)`` (NaN when the returns do not vary)."""
     # each process has its own number of valid tokens: gathered as objects, any length
-    gathered = (torch.cat(common.all_gather_objects([x[valid].cpu()])) for x in (returns, values))
-    returns, values = gathered  # every process's valid tokens
-    explained = (
-        (1 - (returns - values).var() / returns.var()).item() if returns.var() > 0 else float("nan")
-    )
-    mean = {"value/mean": values.mean().item(), "value/returns_mean": returns.mean().item()}
-    return mean | {"value/explained_variance": explained}
+    local_returns = [returns[valid].cpu()]
+    local_values = [values[valid].cpu()]
+    returns = torch.cat(common.all_gather_objects(local_returns))  # every process's
+    values = torch.cat(common.all_gather_objects(local_values))
+    returns_var = returns.var()
+    explained = float("nan")
+    if returns_var > 0:
+        residual_var = (returns - values).var()
+        explained = (1 - residual_var / returns_var).item()
+    scalars = {"value/mean": values.mean().item()}
+    scalars["value/returns_mean"] = returns.mean().item()
+    scalars["value/explained_variance"] = explained
+    return scalars
 
 
-def save_checkpoint(log, step: int, args: Args, policy, value_model, optimizer, beta) -> None:
+def save_checkpoint(log, step: int, args: Args, policy, *, value_model, optimizer, beta) -> None:
     """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
     exactly (the next step's beta included; not the reference, which resume loads from
     --model-name-or-path, which cannot change)."""
-    due = (args.save_every and step % args.save_every == 0) or step == args.total_steps
-    if log.is_main and due:
-        state = dict(script=SCRIPT, step=step, args=dataclasses.asdict(args), kl_coef=beta)
-        state |= dict(policy=common.trained_weights(policy), value_model=value_model.state_dict())
-        state |= dict(optimizer=optimizer.state_dict(), rng=common.rng_state())
-        common.atomic_save(state, log.checkpoint)
+    periodic = args.save_every and step % args.save_every == 0
+    due = periodic or step == args.total_steps
+    if not (log.is_main and due):
+        return
+    state = {"script": SCRIPT, "step": step, "args": dataclasses.asdict(args)}
+    state["kl_coef"] = beta  # the next step's
+    state["policy"] = common.trained_weights(policy)
+    state["value_model"] = value_model.state_dict()
+    state["optimizer"] = optimizer.state_dict()
+    state["rng"] = common.rng_state()
+    common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch) -> list[str]:
     """Rank 0's first four completions with their scores, for the printed and logged samples."""
-    first_four = list(zip(batch.score, batch.examples, batch.completions, strict=True))[:4]
-    return [f"[reward {r:.2f}] {ex['question']!r} -> {c!r}" for r, ex, c in first_four]
+    lines = []
+    for i in range(min(4, len(batch.completions))):
+        question = batch.examples[i]["question"]
+        completion = batch.completions[i]
+        reward = batch.score[i]
+        lines.append(f"[reward {reward:.2f}] {question!r} -> {completion!r}")
+    return lines
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -50,7 +50,8 @@ def log_probs(model, batch, temperature: float, mode: str) -> torch.Tensor:
     if mode == "bf16_head":
         return forward_log_probs(model, batch, temperature, autocast=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "fp32_head"):
-        return grpo_lm.token_log_probs(model, grpo_lm.MicroBatch(*batch), temperature, False)
+        mb = grpo_lm.MicroBatch(*batch)
+        return grpo_lm.token_log_probs(model, mb, temperature, share_prompt=False)
 
 
 def forward_log_probs(model, batch, temperature: float, autocast: bool = False) -> torch.Tensor:
@@ -117,8 +118,10 @@ def main() -> None:
         ]
         for ex in task.test[: args.prompts]
     ]
-    options = (args.temperature, 1.0, args.max_new_tokens, False)  # T, top-p, tokens, bf16
-    rows = common.generate_completions(policy, prompts, 1, tokenizer, options, ((args.seed,), 0))
+    options = dict(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens)
+    rows = common.generate_completions(
+        policy, prompts, 1, tokenizer, **options, bf16=False, seed_keys=(args.seed,)
+    )
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id)
     T = max(map(len, rows))
     completions = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])

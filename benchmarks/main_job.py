@@ -96,7 +96,7 @@ def side_flags(tree: Path, extra: list[str]) -> tuple[list[str], dict[str, str],
     return kept, threads, notes
 
 
-def run(tree: Path, seed: int, out: Path, name: str, flags: tuple) -> dict:
+def run(tree: Path, seed: int, out: Path, name: str, *, flags: tuple) -> dict:
     """One main job from ``tree`` with its :func:`side_flags` ``flags``; its wall time, peak RSS,
     phases and accuracies."""
     extra, threads, _ = flags
@@ -177,7 +177,9 @@ def main() -> None:
     results, about = {}, {"cpu": cpu(), "old": opts.old, "new": head(), "extra": opts.extra}
     for seed in opts.seeds:
         for side, tree in trees.items():
-            results[side, seed] = run(tree, seed, work / "runs", f"{side}_seed{seed}", flags[side])
+            results[side, seed] = run(
+                tree, seed, work / "runs", f"{side}_seed{seed}", flags=flags[side]
+            )
             print(side, seed, json.dumps(results[side, seed]), flush=True)
             runs = [{"side": side, "seed": seed, **r} for (side, seed), r in results.items()]
             Path(opts.out).with_suffix(".json").write_text(

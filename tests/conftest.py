@@ -38,7 +38,12 @@ def make_tokenizer():
 
 
 def make_tiny_model(
-    path: Path, seed: int = 0, kind: str = "causal-lm", init_std: float = 0.02, positions: int = 256
+    path: Path,
+    seed: int = 0,
+    kind: str = "causal-lm",
+    init_std: float = 0.02,
+    *,
+    positions: int = 256,
 ) -> Path:
     """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path``.
 
@@ -75,7 +80,7 @@ def make_tiny_model(
 
 
 def torchrun(
-    script: str, flags: list[str], nproc: int = 2, cwd: Path = ROOT, timeout: float = 300, **env
+    script: str, flags: list[str], nproc: int = 2, *, cwd: Path = ROOT, timeout: float = 300, **env
 ) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun with ``nproc`` processes (1 thread each, ``env`` added); stdout
     and stderr kept. A run still going after ``timeout`` seconds (a hang) fails the test."""
@@ -140,7 +145,7 @@ def tb_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
 
 
 def assert_one_line_error(
-    cli, argv: list[str], message: str, capsys, checkpoint: Path, cleanup=None
+    cli, argv: list[str], message: str, capsys, *, checkpoint: Path, cleanup=None
 ) -> None:
     """The bad-input contract, for one case of a table: ``cli(argv)`` exits with code 2 after
     exactly one line that starts with ``error: `` and contains ``message``, prints no traceback,

@@ -307,6 +307,23 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
     (["--reward-fn", "{root}/rewards.py:nan"], "reward function nan returned nan", RUN),
     (["--reward-fn", "{root}/rewards.py:huge"], "reward function huge returned 1e+39", RUN),
     (["--reward-fn", "task", "--reward-fn", "task"], "--reward-fn task: given twice", CHEAP),
+    (
+        ["--correct-fn", "{root}/missing.py:f"],
+        "--correct-fn {root}/missing.py:f: cannot run {root}/missing.py: FileNotFoundError",
+        CHEAP,
+    ),
+    (["--correct-fn", "rewards.py"], "--correct-fn rewards.py: expected FILE.py:NAME", CHEAP),
+    (
+        ["--correct-fn", "{root}/rewards.py:nope"],
+        "--correct-fn {root}/rewards.py:nope: no function 'nope' in {root}/rewards.py",
+        CHEAP,
+    ),
+    (["--eval-dataset", "{root}/missing.jsonl"], "--eval-dataset: cannot read", CHEAP),
+    (
+        ["--eval-dataset", "{root}/bad_json.jsonl"],
+        "--eval-dataset: {root}/bad_json.jsonl:4: Expecting property name",
+        CHEAP,
+    ),
     (["--system-prompt", "a \ud800 b"], "--system-prompt: a lone surrogate at character 3", CHEAP),
     (["--response-prefix", "\udfff"], "--response-prefix: a lone surrogate at character 1", CHEAP),
     (["--prompt-field", "answer"], "--prompt-field and --answer-field must name two fields", CHEAP),
@@ -558,7 +575,7 @@ def _argv(script: str, argv: list[str], files: dict[str, Path]) -> list[str]:
 
 @pytest.mark.parametrize("script, argv, message, stage", CASES)
 def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(
-    script, argv, message, stage, files, capsys, monkeypatch, request
+    script, argv, message, stage, *, files, capsys, monkeypatch, request
 ):
     if argv == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible: --device cuda is good input here")
@@ -585,7 +602,7 @@ def test_bad_input_is_one_line_and_leaves_the_checkpoint_intact(
         _argv(script, argv, files),
         message,
         capsys,
-        ckpt,
+        checkpoint=ckpt,
         cleanup=lambda: shutil.rmtree(files["root"] / "runs_new", ignore_errors=True),
     )  # no run left
 

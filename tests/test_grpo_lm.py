@@ -51,7 +51,7 @@ def test_clipped_surrogate_value_and_gradient(ratio, adv, loss, grad):
         torch.zeros(1, 1),
         None,
         torch.tensor([adv]),
-        torch.ones(1, 1),
+        mask=torch.ones(1, 1),
         clip_range=0.2,
         beta=0.0,
         num_sequences=1,
@@ -80,7 +80,7 @@ def test_per_sequence_length_normalisation_and_masking():
     )
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
     loss, _ = grpo_lm.grpo_loss(
-        logp, logp, ref, torch.zeros(2), mask, 0.2, beta=1.0, num_sequences=2
+        logp, logp, ref, torch.zeros(2), mask=mask, clip_range=0.2, beta=1.0, num_sequences=2
     )
     kl_half, kl_two = 0.5 - LOG_HALF - 1, 2 - LOG_2 - 1
     # eq. 3: 1/G sum_i 1/|o_i| sum_t -> (kl_half / 1 + kl_two / 3) / 2 = 0.14772 (a token mean gives
@@ -92,9 +92,10 @@ def test_micro_batch_losses_add_up_to_the_full_batch_loss():
     g = torch.Generator().manual_seed(1)
     logp, old, ref = (torch.randn(6, 5, generator=g) * 0.1 for _ in range(3))
     adv, mask = torch.randn(6, generator=g), (torch.rand(6, 5, generator=g) > 0.3).float()
-    full, _ = grpo_lm.grpo_loss(logp, old, ref, adv, mask, 0.2, 0.04, num_sequences=6)
+    terms = dict(clip_range=0.2, beta=0.04, num_sequences=6)
+    full, _ = grpo_lm.grpo_loss(logp, old, ref, adv, mask=mask, **terms)
     parts = sum(
-        grpo_lm.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6)[0]
+        grpo_lm.grpo_loss(logp[s], old[s], ref[s], adv[s], mask=mask[s], **terms)[0]
         for s in (slice(0, 2), slice(2, 6))
     )
     torch.testing.assert_close(full, parts)
@@ -119,7 +120,7 @@ def test_token_log_probs_ignore_left_padding(tiny_model_dir):
                     prompts["input_ids"], prompts["attention_mask"], first, completions, att
                 ),
                 0.7,
-                share,
+                share_prompt=share,
             )
             single = grpo_lm.token_log_probs(
                 model,
@@ -131,7 +132,7 @@ def test_token_log_probs_ignore_left_padding(tiny_model_dir):
                     att[1:],
                 ),
                 0.7,
-                share,
+                share_prompt=share,
             )
             torch.testing.assert_close(batched[1], single[0], atol=1e-5, rtol=1e-5)
         logits = model(**alone).logits[0, -3:-1] / 0.7
@@ -161,7 +162,7 @@ def no_tf32():
     ],
 )
 def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
-    tiny_model_dir, device, bf16, no_tf32, monkeypatch
+    tiny_model_dir, device, bf16, *, no_tf32, monkeypatch
 ):
     # 2 left-padded prompts, 3 completions each of different lengths (right-padded after the EOS):
     # one pass per prompt with its keys and values reused must give the whole-sequence numbers,
@@ -192,7 +193,7 @@ def test_shared_prompt_pass_equals_whole_sequences_values_and_gradients(
                     prompts["input_ids"], prompts["attention_mask"], prompt_index, completions, att
                 ),
                 0.7,
-                share,
+                share_prompt=share,
             )
         assert logp.dtype == torch.float32  # log-softmax stays float32 under autocast
         (logp * weights).sum().backward()
@@ -245,8 +246,9 @@ def test_a_bf16_reference_gives_autocasts_log_probs_exactly(tiny_model_dir, monk
     # the same log probs, bit for bit, as the float32 reference under autocast; reset by
     # --iterations > 1 from the float32 policy, it stays float32 (main passes bf16_weights False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    reference = common.load_reference(None, str(tiny_model_dir), "cpu", False, True)
-    float32 = common.load_reference(None, str(tiny_model_dir), "cpu", False, False)
+    path = str(tiny_model_dir)
+    reference = common.load_reference(None, path, "cpu", lora=False, bf16_weights=True)
+    float32 = common.load_reference(None, path, "cpu", lora=False, bf16_weights=False)
     dtypes = {p.dtype for p in float32.parameters()}
     assert dtypes == {torch.float32} and reference.lm_head.weight.dtype == torch.float32
     assert reference.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
@@ -531,9 +533,8 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
         lambda module, inputs, output: heads.append((inputs[0], output))
     )
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logp = grpo_lm.token_log_probs(
-            model, grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att), 0.7, share
-        )
+        mb = grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att)
+        logp = grpo_lm.token_log_probs(model, mb, 0.7, share_prompt=share)
         bf16 = model.lm_head(heads[-1][0])  # what the head would give under autocast on its own
     hook.remove()
     assert len(heads) == (2 if share else 1) + 1 and bf16.dtype == torch.bfloat16
@@ -570,10 +571,10 @@ def test_masked_positions_never_reach_the_exponent():
                 o,
                 r,
                 torch.tensor([1.0, -0.5]),
-                mask,
-                0.2,
-                0.04,
-                2,
+                mask=mask,
+                clip_range=0.2,
+                beta=0.04,
+                num_sequences=2,
                 level=level,
             )
             loss.backward()
@@ -589,16 +590,16 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_same_samples(tiny_model
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 2 + 3?")]
-    options, seeds = (0.7, 1.0, 9, False), ((1, 2, 0), 0)  # temperature, top-p, tokens, bf16
+    options = dict(temperature=0.7, top_p=1.0, max_new_tokens=9, bf16=False, seed_keys=(1, 2, 0))
     shapes = []
     model.register_forward_pre_hook(
         lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True
     )
-    rows = common.generate_completions(model, prompts, 4, tok, options, seeds)
+    rows = common.generate_completions(model, prompts, 4, tok, **options)
     assert shapes[:2] == [(2, 14), (8, 1)]  # the prompts once, then each row's first token
     shapes.clear()
     each = [p for p in prompts for _ in range(4)]
-    rows_each = common.generate_completions(model, each, 1, tok, options, seeds)
+    rows_each = common.generate_completions(model, each, 1, tok, **options)
     assert shapes[0] == (8, 14)  # every row's whole prompt
     assert rows == rows_each and len(rows) == 8 and len({tuple(r) for r in rows}) > 1
 
@@ -607,7 +608,7 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
     # common.decode: each prompt goes through the model once, then a row that emitted EOS leaves
     # the batch (each forward pass sees only the rows still going); the tokens are those of
     # transformers' generate on the repeated prompts with the same draw as its last logits
-    # processor (one uniform per row of the call at every step); greedy too
+    # processor (each row's own uniform at every step); greedy too
     model = common.load_model(str(tiny_model_dir)).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 2 + 3?")]
@@ -617,10 +618,12 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
     hook = model.register_forward_pre_hook(
         lambda m, a, k: seen.append(len(k["input_ids"])), with_kwargs=True
     )
-    torch.manual_seed(0)
-    draw = common.DrawNextToken(1.0, 1.0, rows=16)
+    uniforms = common.row_uniforms((0,), range(16), 40)
+    draw = common.DrawNextToken(1.0, 1.0, uniforms)
     with torch.no_grad():
-        rows = common.decode(model, ids, att, 40, eos, pad, draw, repeats=8)
+        rows = common.decode(
+            model, ids, att, max_new_tokens=40, eos=eos, pad=pad, pick=draw, repeats=8
+        )
     hook.remove()
     lengths = grpo_lm.completion_mask(torch.tensor(rows), eos).sum(1).long().tolist()
     longest = max(lengths)
@@ -629,33 +632,41 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
 
     def processor(draw):  # the draw as generate's last logits processor, greedy emits its token
         def call(input_ids, scores):
-            token = draw(scores, torch.arange(len(scores)))
+            step = input_ids.shape[1] - ids.shape[1]  # the position of the token drawn
+            token = draw(scores, torch.arange(len(scores)), step)
             return torch.full_like(scores, -torch.inf).scatter_(1, token[:, None], 0.0)
 
         return call
 
-    torch.manual_seed(0)
-    by_generate = common.DrawNextToken(1.0, 1.0, rows=16)
+    by_generate = common.DrawNextToken(1.0, 1.0, uniforms)
     ids, att = ids.repeat_interleave(8, 0), att.repeat_interleave(8, 0)
     kw = dict(attention_mask=att, max_new_tokens=40, pad_token_id=pad, eos_token_id=eos)
     out = model.generate(ids, logits_processor=[processor(by_generate)], do_sample=False, **kw)
     assert rows == out[:, ids.shape[1] :].tolist()
     with torch.no_grad():
-        greedy = common.decode(model, ids, att, 40, eos, pad, lambda logits, _: logits.argmax(-1))
+        greedy = common.decode(
+            model,
+            ids,
+            att,
+            max_new_tokens=40,
+            eos=eos,
+            pad=pad,
+            pick=lambda logits, going, step: logits.argmax(-1),
+        )
     assert greedy == model.generate(ids, do_sample=False, **kw)[:, ids.shape[1] :].tolist()
 
 
 def test_the_sampler_draws_each_token_with_its_probability():
     # DrawNextToken's inverse-CDF draw: 40,000 draws from p = (0.5, 0.3, 0.2, 0) land on each
     # token with frequency p (binomial std <= 0.0025), never on the token of probability 0
-    draw = common.DrawNextToken(temperature=1.0, top_p=1.0, rows=40_000)
+    uniforms = torch.rand(40_000, 1, generator=torch.Generator().manual_seed(0))
+    draw = common.DrawNextToken(temperature=1.0, top_p=1.0, uniforms=uniforms)
     scores = torch.tensor([[0.5, 0.3, 0.2, 0.0]]).log().expand(40_000, 4)
-    torch.manual_seed(0)
-    token = draw(scores, torch.arange(40_000))
+    token = draw(scores, torch.arange(40_000), 0)
     freq = torch.bincount(token, minlength=4).float() / len(token)
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.01, rtol=0)
     with pytest.raises(common.UsageError, match="non-finite next-token probabilities"):
-        draw(torch.tensor([[0.0, float("nan")]]), torch.tensor([0]))
+        draw(torch.tensor([[0.0, float("nan")]]), torch.tensor([0]), 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -720,13 +731,15 @@ def test_rows_with_a_gradient_leave_out_only_what_adds_nothing():
     adv = torch.tensor([0.0] * 4 + [1.0, -1.0, 0.5, -0.5])  # G = 4: group 0's rewards are equal
     mask = torch.ones(8, 3)
     mask[5] = 0  # no token in the loss (--mask-truncated-completions)
-    assert rows(adv, mask, 0.0, "grpo", 4).tolist() == [4, 6, 7]
-    assert rows(adv, mask, 0.04, "grpo", 4).tolist() == [0, 1, 2, 3, 4, 6, 7]  # the KL's gradient
-    assert rows(adv, mask, 0.0, "bnpo", 4).tolist() == list(range(8))  # a per-micro-batch mean
-    assert rows(torch.zeros(8), mask, 0.0, "grpo", 4).tolist() == [0, 1, 2, 3]  # AdamW still steps
+    assert rows(adv, mask, 4, other_terms=False).tolist() == [4, 6, 7]
+    with_kl = rows(adv, mask, 4, other_terms=True)
+    assert with_kl.tolist() == [0, 1, 2, 3, 4, 6, 7]  # the KL's gradient
+    # --loss-type bnpo (a per-micro-batch mean counts every row): main() computes every row
+    all_zero = torch.zeros(8)  # equal rewards everywhere
+    assert rows(all_zero, mask, 4, other_terms=False).tolist() == [0, 1, 2, 3]  # AdamW still steps
     per_token = torch.zeros(8, 3)  # process supervision: one advantage per token
     per_token[1, 2] = 0.3
-    assert rows(per_token, mask, 0.0, "dapo", 4).tolist() == [1]
+    assert rows(per_token, mask, 4, other_terms=False).tolist() == [1]
 
 
 def test_without_the_kl_the_update_leaves_out_equal_reward_groups_with_the_same_gradient(
@@ -743,11 +756,12 @@ def test_without_the_kl_the_update_leaves_out_equal_reward_groups_with_the_same_
         return float(any(c.isdigit() for c in completion[:2]))
 
     task = tasks.Task("d", examples[8:], examples[:8], digit_first, tasks.number_matches)
-    # on the CPU: which groups have equal rewards is the device's RNG's draw (CUDA's had none)
-    args = dict(beta=0.0, total_steps=1, device="cpu")
+    # on the CPU (the samples follow the device's arithmetic); seed 7: a quarter of the groups
+    # have equal rewards (seeds 1-8 gave 0 to a half)
+    args = dict(beta=0.0, total_steps=1, device="cpu", seed=7)
     skipped = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "a", **args), task=task)
     monkeypatch.setattr(
-        grpo_lm, "rows_with_a_gradient", lambda adv, mask, *_: torch.arange(len(mask))
+        grpo_lm, "rows_with_a_gradient", lambda adv, mask, *_, **__: torch.arange(len(mask))
     )
     every = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path / "b", **args), task=task)
     equal = skipped["reward/frac_zero_std_groups"]
@@ -768,7 +782,7 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
             model,
             grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att),
             0.7,
-            True,
+            share_prompt=True,
             entropy_coef=0.0,
         )
         inputs = torch.cat([prompt_ids[index], completions], 1)
@@ -781,7 +795,10 @@ def test_entropy_of_the_sampling_distribution_is_logged(tiny_model_dir, tmp_path
     assert torch.equal(
         logp,
         grpo_lm.token_log_probs(
-            model, grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att), 0.7, True
+            model,
+            grpo_lm.MicroBatch(prompt_ids, prompt_mask, index, completions, att),
+            0.7,
+            share_prompt=True,
         ),
     )
     history = grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, total_steps=1), task=digit_task())
@@ -853,7 +870,11 @@ def test_eval_samples_report_pass_at_k_and_maj_at_n_of_the_responses_they_report
     assert report["pass@2"] == pytest.approx(pass_at(2))
     assert report["pass@4"] == pytest.approx(pass_at(4))
     assert report["maj@4"] == pytest.approx(expected["maj"])
-    assert history == {f"eval/{k}": [report[k]] for k in ("accuracy", "pass@2", "pass@4", "maj@4")}
+    pairs = zip(task.test[:5], report["first"], strict=True)
+    rewards = [task.reward_fn(text, example) for example, texts in pairs for text in texts]
+    assert report["reward_mean"] == pytest.approx(sum(rewards) / 20)  # the task's reward
+    keys = ("accuracy", "pass@2", "pass@4", "maj@4", "reward_mean")
+    assert history == {f"eval/{k}": [report[k]] for k in keys}
     kw |= dict(run_name="again")
     grpo_lm.main(tiny_args(tiny_model_dir, tmp_path, **kw), task=task)  # seeded: the same samples
     assert json.loads((tmp_path / "again" / "eval.json").read_text()) == report

@@ -61,7 +61,16 @@ def padded_batch():
 def test_loss_types_hand_computed(loss_type, extra, loss, grad00):
     logp, old, adv, mask = padded_batch()
     out, stats = grpo_lm.grpo_loss(
-        logp, old, None, adv, mask, 0.2, 0.0, num_sequences=2, loss_type=loss_type, **extra
+        logp,
+        old,
+        None,
+        adv,
+        mask=mask,
+        clip_range=0.2,
+        beta=0.0,
+        num_sequences=2,
+        loss_type=loss_type,
+        **extra,
     )
     out.backward()
     assert out.item() == pytest.approx(loss, abs=1e-6)
@@ -79,8 +88,17 @@ def test_micro_batch_losses_add_up_for_every_loss_type(loss_type, variant):
     kw = dict(loss_type=loss_type, num_tokens=mask.sum().item(), max_length=5, **variant)
 
     def loss(s, **over):
+        terms = {**kw, **over}
         return grpo_lm.grpo_loss(
-            logp[s], old[s], ref[s], adv[s], mask[s], 0.2, 0.04, 6, **{**kw, **over}
+            logp[s],
+            old[s],
+            ref[s],
+            adv[s],
+            mask=mask[s],
+            clip_range=0.2,
+            beta=0.04,
+            num_sequences=6,
+            **terms,
         )[0]
 
     full = loss(slice(0, 6))
@@ -107,17 +125,17 @@ def test_micro_batch_losses_add_up_for_every_loss_type(loss_type, variant):
         (0.75, -1.0, 0.28, 0.8, 0.0),  # the lower side keeps eps_low = 0.2
     ],
 )
-def test_clip_higher_value_and_gradient(ratio, adv, high, loss, grad):
+def test_clip_higher_value_and_gradient(ratio, adv, high, *, loss, grad):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
     out, stats = grpo_lm.grpo_loss(
         logp,
         torch.zeros(1, 1),
         None,
         torch.tensor([adv]),
-        torch.ones(1, 1),
-        0.2,
-        0.0,
-        1,
+        mask=torch.ones(1, 1),
+        clip_range=0.2,
+        beta=0.0,
+        num_sequences=1,
         clip_range_high=high,
     )
     out.backward()
@@ -138,10 +156,10 @@ def test_gspo_sequence_level_ratio_hand_computed():
         torch.zeros(2, 3),
         None,
         torch.tensor([1.0, -1.0]),
-        mask,
-        0.5,
-        0.0,
-        2,
+        mask=mask,
+        clip_range=0.5,
+        beta=0.0,
+        num_sequences=2,
         level="sequence",
     )
     out.backward()
@@ -157,10 +175,10 @@ def test_gspo_sequence_level_ratio_hand_computed():
         torch.zeros(2, 3),
         None,
         torch.tensor([1.0, -1.0]),
-        mask,
-        0.2,
-        0.0,
-        2,
+        mask=mask,
+        clip_range=0.2,
+        beta=0.0,
+        num_sequences=2,
         level="sequence",
     )
     out.backward()  # eps 0.2: sqrt 2 > 1.2 with A > 0 and 0.794 < 0.8 with A < 0 are both clipped
@@ -179,10 +197,10 @@ GROUPS = torch.arange(8) // 4  # two groups of G = 4
 def test_scale_rewards_batch_and_none():
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 2])
     centred = torch.tensor([0.5, -0.5, -0.5, 0.5, -0.5, -0.5, -0.5, 1.5])  # group means 0.5 and 0.5
-    none = grpo_lm.group_advantages(rewards, GROUPS, EPS, scale="none")
+    none = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS, scale="none")
     torch.testing.assert_close(none, centred)
     batch_std = math.sqrt(4.0 / 7)  # sum of squared deviations from 0.5 is 4, unbiased over 8
-    batch = grpo_lm.group_advantages(rewards, GROUPS, EPS, scale="batch")
+    batch = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS, scale="batch")
     torch.testing.assert_close(batch, centred / (batch_std + EPS))
 
 
@@ -190,22 +208,27 @@ def test_rloo_and_reinforce_plus_plus_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 2])
     # RLOO: r_i minus the mean of the group's other 3 rewards, no std: 1 - 1/3, 0 - 2/3, ...; in
     # the second group 0 - 2/3 and 2 - 0
-    rloo = grpo_lm.group_advantages(rewards, GROUPS, EPS, baseline="rloo")
+    rloo = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS, baseline="rloo")
     torch.testing.assert_close(rloo, torch.tensor([2, -2, -2, 2, -2, -2, -2, 6]) / 3)
-    group_std = grpo_lm.group_advantages(rewards, GROUPS, EPS, "group", "rloo")
+    group_std = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS, scale="group", baseline="rloo")
     std = torch.tensor([1 / 3] * 4 + [1.0] * 4).sqrt()  # unbiased: (1/4 * 4) / 3, (3/4 * 4) / 3
     torch.testing.assert_close(group_std, rloo / (std + EPS))
     # REINFORCE++: the batch's mean 0.5 and unbiased std sqrt(4/7), whatever the groups
-    plus = grpo_lm.group_advantages(rewards, GROUPS, EPS, baseline="reinforce++")
+    plus = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS, baseline="reinforce++")
     torch.testing.assert_close(plus, (rewards - 0.5) / (math.sqrt(4 / 7) + EPS))
     everyone = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 2, 5, 5, 5, 5])  # another process's group
-    spans = grpo_lm.group_advantages(rewards, GROUPS, EPS, "none", "reinforce++", everyone)
+    spans = grpo_lm.group_advantages(
+        rewards, GROUPS, eps=EPS, scale="none", baseline="reinforce++", batch=everyone
+    )
     torch.testing.assert_close(spans, rewards - 24 / 12)
     for baseline in ("rloo", "reinforce++"):  # a group of equal rewards: rloo 0, reinforce++ not
         equal = grpo_lm.group_advantages(
-            torch.tensor([1.0] * 4 + [0.0] * 4), GROUPS, 0.0, None, baseline
+            torch.tensor([1.0] * 4 + [0.0] * 4), GROUPS, eps=0.0, scale=None, baseline=baseline
         )
         assert (equal == 0).all() == (baseline == "rloo"), equal
+
+
+SHAPE = dict(num_sequences=4, num_tokens=5, group_size=2)  # process_example's N, T, G
 
 
 def process_example():
@@ -244,10 +267,10 @@ def test_process_advantages_hand_computed():
         ]
     )
     torch.testing.assert_close(adv, expected)
-    none = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, scale="none")
+    none = grpo_lm.process_advantages(r, seq, end, **SHAPE, eps=EPS, scale="none")
     torch.testing.assert_close(none[0], torch.tensor([1.0, 1, 0.5, 0.5, 0.5]))
     torch.testing.assert_close(none[2], torch.tensor([1 / 3, -1 / 3, -1 / 3, 0, 0]))
-    batch = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, scale="batch")
+    batch = grpo_lm.process_advantages(r, seq, end, **SHAPE, eps=EPS, scale="batch")
     torch.testing.assert_close(
         batch, none / (math.sqrt(2 / 7) + EPS)
     )  # std of [1,1,0,0,1,0,0] = sqrt(2/7)
@@ -257,7 +280,7 @@ def test_process_advantages_with_rloo_and_reinforce_plus_plus_hand_computed():
     r, seq, end = process_example()
     # RLOO: each step reward minus the mean of its group's other steps. Group 0 [1, 1, 0, 0]:
     # +-2/3; group 1 [0 (completion 3), 1, 0 (completion 2)]: -1/2, 1, -1/2
-    rloo = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, baseline="rloo")
+    rloo = grpo_lm.process_advantages(r, seq, end, **SHAPE, eps=EPS, baseline="rloo")
     expected = [
         [4 / 3, 4 / 3, 2 / 3, 2 / 3, 2 / 3],  # steps +2/3 ending at tokens 1 and 4
         [-4 / 3, -4 / 3, -4 / 3, -2 / 3, 0],  # -2/3 at tokens 2 and 3
@@ -266,7 +289,7 @@ def test_process_advantages_with_rloo_and_reinforce_plus_plus_hand_computed():
     ]
     torch.testing.assert_close(rloo, torch.tensor(expected))
     # REINFORCE++: the 7 steps' mean 3/7 and std sqrt(2/7), across groups: up u, down d
-    plus = grpo_lm.process_advantages(r, seq, end, 4, 5, 2, eps=EPS, baseline="reinforce++")
+    plus = grpo_lm.process_advantages(r, seq, end, **SHAPE, eps=EPS, baseline="reinforce++")
     u, d = (torch.tensor([4 / 7, -3 / 7]) / (math.sqrt(2 / 7) + EPS)).tolist()
     expected = [[2 * u, 2 * u, u, u, u], [2 * d, 2 * d, 2 * d, d, 0], [u + d, d, d, 0, 0], [d] * 5]
     torch.testing.assert_close(plus, torch.tensor(expected))
@@ -276,9 +299,9 @@ def test_process_advantages_with_only_final_answers_equal_outcome_advantages():
     g = torch.Generator().manual_seed(0)
     rewards, lengths = torch.rand(8, generator=g), torch.tensor([3, 5, 1, 4, 5, 2, 2, 5])
     adv = grpo_lm.process_advantages(
-        rewards, torch.arange(8), lengths - 1, 8, 5, group_size=4, eps=EPS
+        rewards, torch.arange(8), lengths - 1, num_sequences=8, num_tokens=5, group_size=4, eps=EPS
     )
-    outcome = grpo_lm.group_advantages(rewards, GROUPS, EPS)
+    outcome = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS)
     for i in range(
         8
     ):  # every token up to the answer carries the outcome advantage, nothing after it
@@ -364,9 +387,9 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     T = batch.completion_ids.shape[1]
     seen = {}
 
-    def process_advantages(rewards, seq, end, N, T, G, **baselines):
+    def process_advantages(rewards, seq, end, *, num_sequences, num_tokens, **baselines):
         seen.update(rewards=rewards.tolist(), seq=seq.tolist(), end=end.tolist())
-        return torch.zeros(N, T)
+        return torch.zeros(num_sequences, num_tokens)
 
     def steps(text, example):  # the arithmetic steps, and one past the end
         return grpo_lm.arithmetic_step_rewards(text) if text == texts[0] else [(999, 0.5)]
@@ -374,7 +397,8 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     monkeypatch.setattr(grpo_lm, "process_advantages", process_advantages)
     args = SimpleNamespace(group_size=2, scale_rewards=None, prompts_per_step=1)
     args.advantage = "grpo"
-    advantages = grpo_lm.process_supervision(batch, tok, steps, args, "cpu")
+    args.response_prefix = ""  # the step reward function reads the completion alone
+    advantages = grpo_lm.process_supervision(batch, tok, args, "cpu", step_reward_fn=steps)
     assert advantages.shape == (2, T)
     assert seen == dict(  # the final answer: one more step with the outcome reward
         rewards=[1.0, 0.0, 1.0, 0.5, 0.0], seq=[0, 0, 0, 1, 1], end=[6, 14, 21, 3, 3]
@@ -390,7 +414,7 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     with pytest.raises(
         common.UsageError, match=r"^step reward function raised KeyError: 'oops' on"
     ):
-        grpo_lm.process_supervision(batch, tok, raises, args, "cpu")
+        grpo_lm.process_supervision(batch, tok, args, "cpu", step_reward_fn=raises)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,9 +498,9 @@ def test_reward_model_is_trained_with_replay_and_resumes_exactly(tiny_model_dir,
     task, calls = digit_task(), [0]
     digits = task.reward_fn
 
-    def fails_in_step_3(completion, example):
-        calls[0] += 1
-        if calls[0] > 64:
+    def fails_in_step_3(completion, example):  # after the step-0 evaluation's 8 responses
+        calls[0] += 1  # (their mean reward is logged) and steps 1-2's 64 samples
+        if calls[0] > 8 + 64:
             raise RuntimeError("stop")
         return digits(completion, example)
 
@@ -744,3 +768,32 @@ def test_dynamic_sampling_keeps_the_reward_functions_own_means(tiny_model_dir, t
     )
     assert len(h["reward/length/mean"]) == 2
     assert h["reward/length/mean"] == pytest.approx(h["reward/mean"])  # the only function, weight 1
+
+
+def test_a_step_reward_function_reads_what_a_reward_function_reads(monkeypatch):
+    # --response-prefix: the step reward function gets prefix + completion, as a reward function
+    # does, and its offsets count the prefix's characters; a step inside the prefix (not the
+    # policy's text) is not paid, and the completion's steps end at the same tokens as without it
+    tok = make_tokenizer()
+    texts = ["12+7=19\n19*3=56", "999"]
+    batch = char_batch(tok, texts, [1.0, 0.0])
+    received = []
+    seen = {}
+
+    def process_advantages(rewards, seq, end, *, num_sequences, num_tokens, **baselines):
+        seen[prefix] = (rewards.tolist(), seq.tolist(), end.tolist())
+        return torch.zeros(num_sequences, num_tokens)
+
+    def steps(text, example):
+        received.append(text)
+        return grpo_lm.arithmetic_step_rewards(text)
+
+    monkeypatch.setattr(grpo_lm, "process_advantages", process_advantages)
+    for prefix in ("", "Check: 1+1=2. "):
+        args = SimpleNamespace(group_size=2, scale_rewards=None, prompts_per_step=1)
+        args.advantage = "grpo"
+        args.response_prefix = prefix
+        grpo_lm.process_supervision(batch, tok, args, "cpu", step_reward_fn=steps)
+    assert received == texts + ["Check: 1+1=2. " + text for text in texts]
+    assert seen["Check: 1+1=2. "] == seen[""]  # the prefix's own equation is not a step
+    assert seen[""] == ([1.0, 0.0, 1.0, 0.0], [0, 0, 0, 1], [6, 14, 15, 3])

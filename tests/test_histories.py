@@ -76,7 +76,7 @@ PPO = {
 }
 
 
-def _args(module, base: dict, flags: dict, models: dict[str, Path], run_dir: Path):
+def _args(module, base: dict, flags: dict, *, models: dict[str, Path], run_dir: Path):
     flags = {k: (str(models["rm"]) if v == "{rm}" else v) for k, v in flags.items()}
     paths = {"model_name_or_path": str(models["policy"]), "runs_dir": str(run_dir)}
     # the recording's device, the CPU, also where a GPU is: CUDA's RNG samples other tokens
@@ -125,7 +125,11 @@ def run_all(tmp: Path) -> dict[str, dict[str, list[float]]]:
         for module, base, combos in ((grpo_lm, grpo_base, GRPO), (ppo_lm, ppo_base, PPO)):
             for name, flags in combos.items():
                 args = _args(
-                    module, {**base, "run_name": name}, flags, models, tmp / module.__name__
+                    module,
+                    {**base, "run_name": name},
+                    flags,
+                    models=models,
+                    run_dir=tmp / module.__name__,
                 )
                 task = None if flags.get("task") == "multistep" else digit_task()
                 history = module.main(args, task=task)

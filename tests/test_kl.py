@@ -50,9 +50,16 @@ def expected_loss_gradient(estimator, sampled_from=None, weight_by_ratio=False):
     rows = logp.detach().unsqueeze(1).requires_grad_()  # (5, 1): one completion per outcome
     sampling = logp.detach() if sampled_from is None else sampled_from
     loss, _ = grpo_lm.grpo_loss(
-        rows, sampling.unsqueeze(1), REF.unsqueeze(1), torch.zeros(5), ONES, 0.2, 1.0, 5,
+        rows,
+        sampling.unsqueeze(1),
+        REF.unsqueeze(1),
+        torch.zeros(5),
+        mask=ONES,
+        clip_range=0.2,
+        beta=1.0,
+        num_sequences=5,
         kl_estimator=estimator,
-    )  # fmt: skip
+    )
     (per_row,) = torch.autograd.grad(loss, rows)  # d term_a / d log pi(a), divided by the 5 rows
     weights = sampling.exp() * (torch.exp(logp.detach() - sampling) if weight_by_ratio else 1)
     return torch.autograd.grad(logp, theta, grad_outputs=weights * 5 * per_row.squeeze(1))[0]
@@ -97,18 +104,27 @@ def test_each_estimator_in_the_reward_follows_its_divergence(estimator):
     logp = theta.log_softmax(0).unsqueeze(1)
     old = logp.detach()
     rewards, _ = ppo_lm.per_token_rewards(
-        torch.zeros(5), old, REF.unsqueeze(1), ONES, 1.0, estimator
+        torch.zeros(5), old, REF.unsqueeze(1), ONES, beta=1.0, estimator=estimator
     )
     advantages, returns = ppo_lm.gae(rewards, torch.zeros(5, 1), ONES, gamma=1.0, lam=1.0)
     zeros = torch.zeros(1, 1)
     expected = sum(
         old[a, 0].exp()
         * ppo_lm.ppo_loss(
-            logp[a : a + 1], old[a : a + 1], advantages[a : a + 1], zeros, zeros,
-            returns[a : a + 1], ONES[:1], 0.2, 0.2, 0.0, num_sequences=1,
+            logp[a : a + 1],
+            old[a : a + 1],
+            advantages[a : a + 1],
+            ONES[:1],
+            values=zeros,
+            old_values=zeros,
+            returns=returns[a : a + 1],
+            clip_range=0.2,
+            clip_range_value=0.2,
+            vf_coef=0.0,
+            num_sequences=1,
         )[0]
         for a in range(5)
-    )  # fmt: skip
+    )
     (gradient,) = torch.autograd.grad(expected, theta)
     torch.testing.assert_close(
         gradient, gradient_of(REWARD_TARGETS[estimator]), atol=1e-6, rtol=1e-5
@@ -133,7 +149,7 @@ def test_the_estimators_values_by_hand_and_their_means():
             grpo_lm.kl_estimate(logp, ref, estimator), torch.tensor([values]), atol=1e-7, rtol=0
         )
         _, kl_t = ppo_lm.per_token_rewards(
-            torch.zeros(1), logp, ref, torch.ones(1, 3), 1, estimator
+            torch.zeros(1), logp, ref, torch.ones(1, 3), beta=1, estimator=estimator
         )
         torch.testing.assert_close(kl_t, torch.tensor([values]), atol=1e-7, rtol=0)
     # on-policy means: k1 and k3 are unbiased for KL(pi || pi_ref), k2 is not

@@ -213,7 +213,7 @@ def test_an_adapter_on_the_lm_head_acts_in_every_log_prob(script, tiny_lora_mode
                 1.0,
             )
         else:
-            logp = ppo_lm.token_log_probs(policy, ids, att, 3, 1.0)
+            logp = ppo_lm.token_log_probs(policy, ids, att, 3, temperature=1.0)
     torch.testing.assert_close(logp, direct, atol=1e-5, rtol=1e-5)
 
 

@@ -15,11 +15,20 @@ import ppo_lm
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 
 
-def cispo(logp, old, adv, mask, high=0.2):
+def cispo(logp, old, adv, mask, *, high=0.2):
     return grpo_lm.grpo_loss(
-        logp, old, None, adv, mask, 0.2, 0.0, len(logp), loss_type="cispo",
-        clip_range_high=high, num_tokens=mask.sum(),
-    )  # fmt: skip
+        logp,
+        old,
+        None,
+        adv,
+        mask=mask,
+        clip_range=0.2,
+        beta=0.0,
+        num_sequences=len(logp),
+        loss_type="cispo",
+        clip_range_high=high,
+        num_tokens=mask.sum(),
+    )
 
 
 @pytest.mark.parametrize(
@@ -67,8 +76,9 @@ def test_clip_fraction_is_split_by_the_advantages_sign():
     # clipped low; (+, 0.5) and (-, 1.5) not clipped (the min keeps the pessimistic unclipped term)
     ratios = torch.tensor([[1.5], [1.3], [1.25], [0.5], [0.5], [1.5]])
     adv = torch.tensor([1.0, 1.0, 1.0, -1.0, 1.0, -1.0])
-    args = (torch.log(ratios), torch.zeros(6, 1), None, adv, torch.ones(6, 1), 0.2, 0.0, 6)
-    _, stats = grpo_lm.grpo_loss(*args, clip_range_high=0.28)
+    terms = dict(mask=torch.ones(6, 1), clip_range=0.2, beta=0.0, num_sequences=6)
+    logp = torch.log(ratios)
+    _, stats = grpo_lm.grpo_loss(logp, torch.zeros(6, 1), None, adv, **terms, clip_range_high=0.28)
     assert stats["clipped_high"].item() == 2 and stats["clipped_low"].item() == 1
 
 
@@ -80,34 +90,36 @@ def test_the_entropy_bonus_adds_its_term_and_gradient_in_grpo_and_ppo():
     entropy = torch.tensor([[0.5, 1.5, 9.0], [1.0, 2.0, 3.0]], requires_grad=True)
     weight = -0.1 * mask / mask.sum(1, keepdim=True) / 2
     adv = torch.tensor([1.0, -1.0])
-    common_args = (logp, logp, None, adv, mask, 0.2, 0.0, 2)
-    base, _ = grpo_lm.grpo_loss(*common_args)
-    bonus, _ = grpo_lm.grpo_loss(*common_args, entropy, entropy_coef=0.1)
+    terms = dict(mask=mask, clip_range=0.2, beta=0.0, num_sequences=2)
+    base, _ = grpo_lm.grpo_loss(logp, logp, None, adv, **terms)
+    bonus, _ = grpo_lm.grpo_loss(logp, logp, None, adv, **terms, entropy=entropy, entropy_coef=0.1)
     assert bonus.item() == pytest.approx(base.item() - 0.1 * (1.0 + 2.0) / 2, abs=1e-6)
     (grad,) = torch.autograd.grad(bonus, entropy)
     torch.testing.assert_close(grad, weight)
     zeros = torch.zeros(2, 3)
-    ppo = (logp, logp, adv[:, None].expand(2, 3), zeros, zeros, zeros, mask, 0.2, 0.2, 0.1, 2)
-    base, _ = ppo_lm.ppo_loss(*ppo)
-    bonus, _ = ppo_lm.ppo_loss(*ppo, entropy, 0.1)
+    ppo = dict(values=zeros, old_values=zeros, returns=zeros, clip_range=0.2, clip_range_value=0.2)
+    ppo |= dict(vf_coef=0.1, num_sequences=2)
+    per_token = adv[:, None].expand(2, 3)  # ppo's advantages: one per token
+    base, _ = ppo_lm.ppo_loss(logp, logp, per_token, mask, **ppo)
+    bonus, _ = ppo_lm.ppo_loss(
+        logp, logp, per_token, mask, **ppo, entropy=entropy, entropy_coef=0.1
+    )
     assert bonus.item() == pytest.approx(base.item() - 0.1 * (1.0 + 2.0) / 2, abs=1e-6)
     (grad,) = torch.autograd.grad(bonus, entropy)
     torch.testing.assert_close(grad, weight)
 
 
-def test_with_an_entropy_bonus_no_row_is_skipped(tiny_model_dir, tmp_path, monkeypatch):
+def test_with_an_entropy_bonus_no_row_is_skipped(tiny_model_dir, tmp_path):
     # a term besides A's (here the entropy bonus, with --beta 0) has a gradient on the rows of
-    # equal rewards too: the update keeps every row, so its gradient is the every-row run's
+    # equal rewards too: the update keeps every row (every group's A is 0 here), so every token
+    # of every completion is in the loss, and the bonus alone moves the policy
     kw = dict(beta=0.0, entropy_coef=0.05, total_steps=1)
     kept = grpo_lm.main(grpo_args(tiny_model_dir, tmp_path / "a", **kw), task=const_task())
-    monkeypatch.setattr(
-        grpo_lm, "rows_with_a_gradient", lambda adv, mask, *_: torch.arange(len(mask))
-    )
-    every = grpo_lm.main(grpo_args(tiny_model_dir, tmp_path / "b", **kw), task=const_task())
+    completions = 4 * 8  # tiny_args: 4 questions, G = 8
     assert kept["reward/frac_zero_std_groups"] == [1.0]  # every group: A = 0 everywhere
-    assert kept["loss/tokens"] == every["loss/tokens"]
-    assert kept["optim/grad_norm"] == pytest.approx(every["optim/grad_norm"], rel=1e-6)
-    assert every["optim/grad_norm"][0] > 1e-3  # the bonus alone moves the policy
+    tokens = kept["completion/length_mean"][0] * completions
+    assert kept["loss/tokens"][0] == pytest.approx(tokens, rel=1e-6)
+    assert kept["optim/grad_norm"][0] > 1e-3  # the bonus alone moves the policy
 
 
 def const_task():

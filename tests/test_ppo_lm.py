@@ -20,6 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest.py
 # ---------------------------------------------------------------------------------------------
 # Equations
 # ---------------------------------------------------------------------------------------------
+# ppo_loss's clip ranges and value-loss weight, as the tests below use them
+COEFS = dict(clip_range=0.2, clip_range_value=0.2, vf_coef=0.1)
 # A padded batch: sequence 1 has 3 valid tokens, sequence 2 only 1 (its EOS); what follows is
 # garbage.
 REWARDS = torch.tensor([[0.0, 0.0, 1.0], [0.5, 7.0, 7.0]])
@@ -74,30 +76,32 @@ def bandit_probs_after(
     noise. ``estimator``: --kl-estimator.
     """
     theta = torch.zeros(5, requires_grad=True)
-    ones, zeros = torch.ones(5, 1), torch.zeros(5, 1)
+    ones = torch.ones(5, 1)
+    zeros = torch.zeros(5, 1)
     for _ in range(steps):
         logp = torch.log_softmax(theta, 0).unsqueeze(1)  # (5, 1): log pi(a), one sequence per arm
         old_logp = logp.detach()
-        kl_terms = (old_logp, BANDIT_REF, ones, beta, estimator)
-        rewards, _ = ppo_lm.per_token_rewards(BANDIT_REWARD, *kl_terms)
-        advantages, returns = ppo_lm.gae(rewards, zeros, ones, gamma=1.0, lam=1.0)
-        expected_loss = sum(
-            old_logp[a, 0].exp()
-            * ppo_lm.ppo_loss(
-                logp[a : a + 1],
-                old_logp[a : a + 1],
-                advantages[a : a + 1],
-                zeros[a : a + 1],
-                zeros[a : a + 1],
-                returns[a : a + 1],
-                ones[a : a + 1],
-                0.2,
-                0.2,
-                0.1,
-                num_sequences=1,
-            )[0]
-            for a in range(5)
+        rewards, _ = ppo_lm.per_token_rewards(
+            BANDIT_REWARD, old_logp, BANDIT_REF, ones, beta=beta, estimator=estimator
         )
+        advantages, returns = ppo_lm.gae(rewards, zeros, ones, gamma=1.0, lam=1.0)
+        expected_loss = 0.0
+        for a in range(5):
+            arm = slice(a, a + 1)
+            loss, _ = ppo_lm.ppo_loss(
+                logp=logp[arm],
+                old_logp=old_logp[arm],
+                advantages=advantages[arm],
+                mask=ones[arm],
+                values=zeros[arm],
+                old_values=zeros[arm],
+                returns=returns[arm],
+                clip_range=0.2,
+                clip_range_value=0.2,
+                vf_coef=0.1,
+                num_sequences=1,
+            )
+            expected_loss = expected_loss + old_logp[a, 0].exp() * loss
         (grad,) = torch.autograd.grad(expected_loss, theta)
         with torch.no_grad():
             theta -= lr * grad
@@ -152,17 +156,17 @@ def test_k3_as_a_per_token_reward_would_optimise_another_objective():
         ),  # clipped value (0.2) is further from R: pessimistic max, no gradient
     ],
 )
-def test_clipped_value_loss_value_and_gradient(v_old, v, ret, loss, grad):
+def test_clipped_value_loss_value_and_gradient(v_old, v, ret, *, loss, grad):
     values = torch.tensor([[v]], requires_grad=True)
-    zeros, ones = torch.zeros(1, 1), torch.ones(1, 1)
+    zeros = torch.zeros(1, 1)
     out, stats = ppo_lm.ppo_loss(
-        zeros,
-        zeros,
-        zeros,
-        values,
-        torch.tensor([[v_old]]),
-        torch.tensor([[ret]]),
-        ones,
+        logp=zeros,
+        old_logp=zeros,
+        advantages=zeros,
+        mask=torch.ones(1, 1),
+        values=values,
+        old_values=torch.tensor([[v_old]]),
+        returns=torch.tensor([[ret]]),
         clip_range=0.2,
         clip_range_value=0.2,
         vf_coef=1.0,
@@ -190,15 +194,15 @@ def test_clipped_value_loss_value_and_gradient(v_old, v, ret, loss, grad):
 )
 def test_clipped_surrogate_value_and_gradient(ratio, adv, loss, grad):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    zeros, ones = torch.zeros(1, 1), torch.ones(1, 1)
+    zeros = torch.zeros(1, 1)
     out, stats = ppo_lm.ppo_loss(
-        logp,
-        zeros,
-        torch.tensor([[adv]]),
-        zeros,
-        zeros,
-        zeros,
-        ones,
+        logp=logp,
+        old_logp=zeros,
+        advantages=torch.tensor([[adv]]),
+        mask=torch.ones(1, 1),
+        values=zeros,
+        old_values=zeros,
+        returns=zeros,
         clip_range=0.2,
         clip_range_value=0.2,
         vf_coef=0.1,
@@ -217,20 +221,37 @@ def test_loss_is_a_per_sequence_mean_and_micro_batches_add_up():
     mask = torch.tensor([[1.0, 0, 0], [1, 1, 1]])
     zeros = torch.zeros(2, 3)
     loss, _ = ppo_lm.ppo_loss(
-        logp, logp, adv, zeros, zeros, zeros, mask, 0.2, 0.2, 0.1, num_sequences=2
+        logp,
+        logp,
+        adv,
+        mask,
+        values=zeros,
+        old_values=zeros,
+        returns=zeros,
+        **COEFS,
+        num_sequences=2,
     )
     assert loss.item() == pytest.approx(-(1.0 + 2.0) / 2)
     g = torch.Generator().manual_seed(1)
     logp, old, adv, v, v_old, ret = (torch.randn(6, 5, generator=g) * 0.3 for _ in range(6))
     mask = (torch.rand(6, 5, generator=g) > 0.3).float()
-    full, _ = ppo_lm.ppo_loss(logp, old, adv, v, v_old, ret, mask, 0.2, 0.2, 0.1, num_sequences=6)
-    parts = sum(
-        ppo_lm.ppo_loss(logp[s], old[s], adv[s], v[s], v_old[s], ret[s], mask[s], 0.2, 0.2, 0.1, 6)[
-            0
-        ]
-        for s in (slice(0, 2), slice(2, 6))
-    )
-    torch.testing.assert_close(full, parts)
+
+    def loss_of(rows: slice) -> torch.Tensor:  # the 6 sequences' loss over these rows
+        loss, _ = ppo_lm.ppo_loss(
+            logp[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            values=v[rows],
+            old_values=v_old[rows],
+            returns=ret[rows],
+            **COEFS,
+            num_sequences=6,
+        )
+        return loss
+
+    parts = loss_of(slice(0, 2)) + loss_of(slice(2, 6))
+    torch.testing.assert_close(loss_of(slice(0, 6)), parts)
 
 
 def test_masked_positions_never_reach_the_exponent():
@@ -238,7 +259,8 @@ def test_masked_positions_never_reach_the_exponent():
     # not see them.
     g = torch.Generator().manual_seed(0)
     logp, old, adv, v, v_old, ret = (torch.randn(2, 3, generator=g) * 0.3 for _ in range(6))
-    adv, ret = adv * MASK, ret * MASK
+    adv = adv * MASK
+    ret = ret * MASK
     results = []
     for pad in (
         0.0,
@@ -247,7 +269,15 @@ def test_masked_positions_never_reach_the_exponent():
         lp = torch.where(MASK.bool(), logp, old + pad).requires_grad_(True)
         values = v.clone().requires_grad_(True)
         loss, stats = ppo_lm.ppo_loss(
-            lp, old, adv, values, v_old, ret, MASK, 0.2, 0.2, 0.1, num_sequences=2
+            lp,
+            old,
+            adv,
+            MASK,
+            values=values,
+            old_values=v_old,
+            returns=ret,
+            **COEFS,
+            num_sequences=2,
         )
         loss.backward()
         results.append((loss, lp.grad, values.grad, stats["approx_kl"]))
@@ -357,7 +387,8 @@ def test_tiny_model_learns_digit_reward(tiny_model_dir, tmp_path):
         tiny_args(tiny_model_dir, tmp_path, total_steps=12, beta=0.01), task=digit_task()
     )
     rewards = history["reward/mean"]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    first = sum(rewards[:3]) / 3
+    last = sum(rewards[-3:]) / 3
     assert first < 0.25, rewards  # ~14 of 76 characters are digits at initialisation
     assert last > first + 0.4, rewards  # +0.65 to +0.72 measured over seeds 3-6
     assert history["value/mean"][0] == 0.0  # zero-initialised value head
@@ -626,10 +657,11 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
         padding=True,
         add_special_tokens=False,
     )
-    ids, att = enc["input_ids"], enc["attention_mask"]
+    ids = enc["input_ids"]
+    att = enc["attention_mask"]
     position_ids = (att.cumsum(1) - 1).clamp(min=0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logp = ppo_lm.token_log_probs(model, ids, att, 3, 0.7)
+        logp = ppo_lm.token_log_probs(model, ids, att, 3, temperature=0.7)
         hidden = model.model(
             input_ids=ids, attention_mask=att, position_ids=position_ids
         ).last_hidden_state[:, -4:-1]

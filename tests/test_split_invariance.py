@@ -5,8 +5,8 @@ changes with gradient accumulation, the micro-batch size or the number of proces
 verl#3741, #5625, #7200, #7321). Here every loss divides by counts of the whole global batch
 (sequences, tokens, ``--max-new-tokens``), so the micro-batch losses and gradients add up to the
 batch's. These tests run ``main()`` for one step on the tiny model and compare the gradient of the
-first update (the flat vector that ``common.clip_gradients`` receives) and the logged loss (at
-step 1 with mu = 1 several losses are ~0, so the gradient is what tells them apart):
+first update (the flat vector that ``common.clip_gradients_or_stop`` receives) and the logged loss
+(at step 1 with mu = 1 several losses are ~0, so the gradient is what tells them apart):
 
 - with micro-batches of 1, of 2 and of the whole batch, for every ``--loss-type`` and advantage
   (outcome, ``--scale-rewards batch`` and ``none``, process supervision, GSPO's sequence ratio,
@@ -54,12 +54,12 @@ GRPO_CASES = {
     "rloo": dict(advantage="rloo", loss_type="dr_grpo"),
     "reinforce++_process": dict(advantage="reinforce++", supervision="process", loss_type="dapo"),
 }
-CLIP_GRADIENTS = common.clip_gradients  # the real one, under the spies below
+CLIP_GRADIENTS_OR_STOP = common.clip_gradients_or_stop  # the real one, under the spies below
 # under torchrun, what is counted over the processes: sequences, tokens, the batch std, the step
 # rewards of process supervision, skipped rows, the entropy's rows (test_distributed.py runs dapo)
 TORCHRUN_CASES = ("grpo", "dr_grpo", "batch_std", "cispo_mu2", "process", "beta0", "entropy")
 TORCHRUN_CASES += ("reinforce++_process",)  # the batch's mean of every process's step rewards
-ONE_STEP = dict(total_steps=1, group_size=4, eval_size=0, generation_groups_per_call=1, bf16=False)
+ONE_STEP = dict(total_steps=1, group_size=4, eval_size=0, bf16=False)
 
 
 def first_update(monkeypatch, module, args, task) -> tuple[float, torch.Tensor]:
@@ -69,9 +69,9 @@ def first_update(monkeypatch, module, args, task) -> tuple[float, torch.Tensor]:
 
     def spy(parameters, max_norm, step):
         seen.append(gradient_vector(parameters))
-        return CLIP_GRADIENTS(parameters, max_norm, step)
+        return CLIP_GRADIENTS_OR_STOP(parameters, max_norm, step)
 
-    monkeypatch.setattr(common, "clip_gradients", spy)
+    monkeypatch.setattr(common, "clip_gradients_or_stop", spy)
     history = module.main(args, task=task)
     first = torch.cat(seen[:2]) if module is ppo_lm else seen[0]  # ppo: policy, value model
     return history["loss/policy"][0], first
@@ -139,11 +139,11 @@ import torch
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import common, grpo_lm
 from conftest import gradient_vector
-seen, real = [], common.clip_gradients
+seen, real = [], common.clip_gradients_or_stop
 def spy(parameters, max_norm, step):
     seen.append(gradient_vector(parameters))
     return real(parameters, max_norm, step)
-common.clip_gradients = spy
+common.clip_gradients_or_stop = spy
 start = common.start_processes  # one process group for every run: torchrun's rendezvous is once
 common.start_processes = lambda d: start(d) if not torch.distributed.is_initialized() else (
     int(os.environ["RANK"]), common.world_size(), torch.device("cpu"))
@@ -167,7 +167,7 @@ def test_grpo_two_processes_take_the_same_first_step_as_one_for_every_case(
     flags = ["--model-name-or-path", str(tiny_model_dir), *varied_reward(tmp_path)]
     flags += "--prompts-per-step 4 --group-size 4 --max-new-tokens 12 --learning-rate 1e-2".split()
     flags += "--temperature 1.0 --total-steps 1 --seed 3 --beta 0.04 --micro-batch-size 4".split()
-    flags += "--generation-groups-per-call 1 --eval-size 0 --eval-every 0 --sample-every 0".split()
+    flags += "--eval-size 0 --eval-every 0 --sample-every 0".split()
     flags += "--save-every 0 --device cpu --no-bf16".split()
 
     def case(name: str, runs_dir: str) -> list[str]:  # the case's flags, its own run directory

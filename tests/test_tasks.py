@@ -274,23 +274,23 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
         ex[:1],
         match=r"correct_fn of task 'addition' raised KeyError: 'multi\\nline' on completion 0",
     )
-    tok, plain = make_tokenizer(), (None, "")
+    tok = make_tokenizer()
+    plain = dict(system_prompt=None, response_prefix="", bf16=False)
     held_out = tasks.Task("sums", [], ex[:2], tasks.number_matches, tasks.number_matches)
     metrics, texts = tasks.held_out_accuracy(
-        FixedPolicy(tok, "3"), tok, held_out, 2, 8, 1, plain, False
+        FixedPolicy(tok, "3"), tok, held_out, size=2, max_new_tokens=8, batch_size=1, **plain
     )  # EOS ends each completion before the 8 tokens
-    assert (metrics, texts) == ({"eval/accuracy": 1.0}, [["3"], ["3"]])
+    assert (metrics, texts) == ({"eval/accuracy": 1.0, "eval/reward_mean": 1.0}, [["3"], ["3"]])
     held_out.correct_fn = raises
     one_line_error(
         tasks.held_out_accuracy,
         FixedPolicy(tok, "3"),
         tok,
         held_out,
-        2,
-        1,
-        1,
-        plain,
-        False,
+        size=2,
+        max_new_tokens=1,
+        batch_size=1,
+        **plain,
         match=r"^correct_fn of task 'sums' raised KeyError: .* on completion 0",
     )
     held_out.correct_fn = lambda c, e: 2  # the index counts over every batch
@@ -299,11 +299,10 @@ def test_correct_fn_that_raises_or_returns_a_non_number_is_one_line():
         FixedPolicy(tok, "3"),
         tok,
         held_out,
-        2,
-        1,
-        1,
-        plain,
-        False,
+        size=2,
+        max_new_tokens=1,
+        batch_size=1,
+        **plain,
         match=r"^correct_fn of task 'sums' returned 2 on completion 0 ",
     )
 
@@ -405,8 +404,18 @@ def test_held_out_accuracy_prompts_with_the_prefix_and_checks_prefix_plus_comple
     ex = [{"question": "What is 1 + 2?", "answer": "3"}]
     correct = lambda r, e: r == "So: 3"  # noqa: E731
     task = tasks.Task("sums", [], ex, correct, correct)
-    metrics, texts = tasks.held_out_accuracy(policy, tok, task, 1, 8, 1, ("Add.", "So:"), False)
-    assert (metrics, texts) == ({"eval/accuracy": 1.0}, [["So: 3"]])
+    metrics, texts = tasks.held_out_accuracy(
+        policy,
+        tok,
+        task,
+        size=1,
+        max_new_tokens=8,
+        batch_size=1,
+        system_prompt="Add.",
+        response_prefix="So:",
+        bf16=False,
+    )
+    assert (metrics, texts) == ({"eval/accuracy": 1.0, "eval/reward_mean": 1.0}, [["So: 3"]])
     assert tok.decode(policy.prompts[0]) == "Add.\n\nQuestion: What is 1 + 2?\nAnswer:So:"
 
 
@@ -523,7 +532,13 @@ def test_reward_fns_from_files_weighted_sum_and_each_function_alone(tmp_path):
     (tmp_path / "a" / "mine.py").write_text("def task(completion, example):\n    return 0.5\n")
     own = tasks.make_addition_task(num_test=4)
     task = tasks.task_of(
-        "addition", None, "question", "answer", ["task", f"{a.parent}/mine.py:task"], [], 4
+        "addition",
+        None,
+        prompt_field="question",
+        answer_field="answer",
+        reward_fn=["task", f"{a.parent}/mine.py:task"],
+        reward_weights=[],
+        eval_size=4,
     )
     assert [n for n, _ in task.reward_fns] == ["task", "task_2"]
     assert task.reward_fns[0][1] is own.reward_fn and task.reward_fns[1][1]("x", ex) == 0.5
@@ -569,7 +584,9 @@ def test_reward_fn_errors_name_the_file_and_function_in_one_line(tmp_path):
         ),
     ]:
         one_line_error(load, [f"{good}:length", spec], match=match)
-    prompts = dict(prompt_field="question", answer_field="answer", system_prompt=None, prefix="")
+    prompts = dict(
+        prompt_field="question", answer_field="answer", system_prompt=None, response_prefix=""
+    )
     one_line_error(
         tasks.check_task_flags,
         reward_fns=[f"{good}:length", f"{good}:is_answer"],
@@ -658,6 +675,83 @@ def test_a_reward_function_that_exits_is_one_line_naming_it(tmp_path, error):
         [{}],
         match=rf"^correct_fn of task 'addition' raised {error.__name__}",
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# What counts as right (--correct-fn) and a held-out file of its own (--eval-dataset)
+# ---------------------------------------------------------------------------------------------
+VERIFIERS = """def right_if_held_out(response, example):
+    return 1.0 if example["question"].startswith("Held out") else 0.5
+
+
+def always(response, example):
+    return True
+"""
+
+
+def task_with(dataset=None, **flags) -> tasks.Task:
+    """tasks.task_of for the addition task (else ``dataset``) with the defaults but ``flags``."""
+    kw = dict(prompt_field="question", answer_field="answer", reward_fn=[], reward_weights=[])
+    return tasks.task_of("addition", dataset, **{**kw, "eval_size": 4, **flags})
+
+
+def test_correct_fn_decides_what_is_right_and_its_errors_are_one_line(tmp_path):
+    verifiers = tmp_path / "verifiers.py"
+    verifiers.write_text(VERIFIERS)
+    task = task_with(correct_fn=f"{verifiers}:always")
+    ex = [{"question": "What is 1 + 2?", "answer": "3"}] * 2
+    assert tasks.score_correct(task, ["no", "4"], ex).tolist() == [1.0, 1.0]  # reward/accuracy
+    assert task.reward_fn is tasks.number_matches  # the reward stays the task's
+    assert task_with().correct_fn is tasks.number_matches  # default: the task's own matcher
+    for spec, match in [
+        ("verifiers", r"^--correct-fn verifiers: expected FILE.py:NAME$"),
+        (f"{tmp_path}/missing.py:f", r"^--correct-fn .*missing.py:f: cannot run .*FileNotFound"),
+        (f"{verifiers}:nope", r"^--correct-fn .*verifiers.py:nope: no function 'nope' in "),
+    ]:
+        one_line_error(task_with, correct_fn=spec, match=match)
+
+
+def test_held_out_accuracy_by_correct_fn_and_the_mean_reward_beside_it(tmp_path):
+    from conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    ex = [
+        {"question": "What is 1 + 2?", "answer": "3"},
+        {"question": "What is 2 + 2?", "answer": "4"},
+    ]
+    never = lambda response, example: False  # noqa: E731
+    task = tasks.Task("sums", [], ex, tasks.number_matches, never)
+    kw = dict(size=2, max_new_tokens=8, batch_size=1, system_prompt=None, response_prefix="")
+    metrics, _ = tasks.held_out_accuracy(FixedPolicy(tok, "3"), tok, task, bf16=False, **kw)
+    assert metrics == {"eval/accuracy": 0.0, "eval/reward_mean": 0.5}  # the task's reward: 1, 0
+    task.reward_fns = [("three", tasks.number_matches), ("half", lambda r, e: 0.5)]
+    task.reward_weights = [2.0, 1.0]  # --reward-fn's weighted sum
+    sampled = dict(samples=2, temperature=1e-3)  # n = 2 responses a question, both "3"
+    metrics, _ = tasks.held_out_accuracy(
+        FixedPolicy(tok, "3"), tok, task, bf16=False, **sampled, **kw
+    )
+    assert metrics["eval/reward_mean"] == pytest.approx((2.5 + 0.5) / 2)
+
+
+def test_eval_dataset_holds_the_held_out_questions_and_nothing_is_cut_from_training(tmp_path):
+    rows = [{"question": f"Held out {i}?", "answer": str(i)} for i in range(6)]
+    held = write_jsonl(tmp_path / "test.jsonl", rows)
+    task = task_with(eval_dataset=held, eval_size=4)
+    assert len(task.train) == 8100  # all of them: none held out
+    assert [ex["question"] for ex in task.test] == [f"Held out {i}?" for i in range(4)]  # in order
+    assert len(task_with(eval_dataset=held, eval_size=100).test) == 6  # --eval-size: at most
+    data = write_jsonl(tmp_path / "train.jsonl", [GOOD] * 5)
+    own = task_with(dataset=data, eval_dataset=held)
+    assert len(own.train) == 5 and own.test == rows[:4]
+    one_line_error(
+        task_with,
+        eval_dataset=str(tmp_path / "missing.jsonl"),
+        match=r"^--eval-dataset: cannot read ",
+    )
+    bad = write_jsonl(tmp_path / "bad.jsonl", [rows[0], "{not json"])
+    one_line_error(task_with, eval_dataset=bad, match=r"^--eval-dataset: .*bad.jsonl:2: Expecting")
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    one_line_error(task_with, eval_dataset=empty, match=r"^--eval-dataset: .*empty.jsonl has no ")
 
 
 # ---------------------------------------------------------------------------------------------

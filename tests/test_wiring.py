@@ -82,8 +82,9 @@ def test_process_supervision_ends_with_the_outcome_at_the_last_token():
     T, mask = batch.completion_ids.shape[1], batch.completion_mask
     args = SimpleNamespace(group_size=2, scale_rewards="group", prompts_per_step=1)
     args.advantage = "grpo"
+    args.response_prefix = ""  # the step reward function reads the completion alone
     steps = grpo_lm.arithmetic_step_rewards
-    advantages = grpo_lm.process_supervision(batch, tok, steps, args, "cpu")
+    advantages = grpo_lm.process_supervision(batch, tok, args, "cpu", step_reward_fn=steps)
     r = 0.5 / (torch.tensor([1.0, 1.0, 0.0, 0.0]).std().item() + 1e-4)  # |r~| of every step
     expected = torch.zeros(2, T)
     expected[0, :5] = 2 * r  # the step (token 4) and the final answer (token 10, the EOS) after t
