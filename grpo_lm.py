@@ -25,7 +25,8 @@ Where this file departs from the paper (every flag defaults to the paper's GRPO 
   36 steps; the task's verifiable reward instead of a reward model.
 - The ratio, the KL and the entropy are of temperature-scaled distributions, softmax(logits / T),
   the distribution the outputs were sampled from.
-- The advantage divides by the group's unbiased std plus 1e-4, so a group of equal rewards gets 0.
+- The advantage divides by the group's unbiased std plus 1e-4 (a group of equal rewards, whose
+  centred rewards are 0, gets 0 rather than 0/0).
 - With --mu 1, pi_old is pi_theta: the ratio is exp(logp - logp.detach()) = 1, whose gradient is
   eq. 3's; no old log probs are computed. With --mu > 1 they are computed once before the first
   update. With --mu > 1 the k3 term, as in the paper, lacks the weight pi_theta / pi_old.
@@ -200,8 +201,8 @@ class Args:
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over the whole batch
     micro_batch_size: Annotated[int, Ge(1)] = 16
-    # groups per sampling call (0 = all of a process's): memory, never the samples, which depend on
-    # --seed, the step and each row's place in the batch alone
+    # groups per sampling call (0 = all of a process's): memory; the draws depend on --seed, the
+    # step and each row's place in the batch alone (the samples, up to float rounding)
     generation_groups_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
     # optimizer, LM head and log-softmax stay float32); float32 elsewhere
@@ -234,7 +235,7 @@ class Batch:
 # ALGO LOGIC: the pieces of DeepSeekMath §4.1, in the order the loop below uses them (torch only)
 # ----------------------------------------------------------------------------------------------
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, T) float mask of each completion's tokens up to and including its first EOS (what follows
+    """(N, T) float mask of each completion's tokens up to and including its first EOS (what follows
     is padding): the o_i,t that eq. 3 sums over, |o_i| its row sum."""
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos.long()  # number of EOS strictly before t
@@ -275,15 +276,15 @@ def group_advantages(rewards, group, *, scale=None, baseline="grpo", batch=None,
     return centred / (std + eps)
 
 
-def process_advantages(rewards, seq, end, *, num_sequences, num_tokens, group_size, **baselines):
-    """Process-supervision advantages (DeepSeekMath §4.1.3), (B * G, T = ``num_tokens``): the (S,)
+def process_advantages(rewards, seq, end, *, shape, group_size, **baselines):
+    """Process-supervision advantages (DeepSeekMath §4.1.3), ``shape`` = (N, T): the (S,)
     float ``rewards`` of every step of the G outputs of a question, step j in completion ``seq[j]``
     ending at its token ``end[j]`` ((S,) long), normalised together by :func:`group_advantages`
     (``baselines``: its keywords; ``batch``: every process's step rewards), ``r~_j = (r_j - mean) /
     (std + eps)``; then ``A_i,t`` = the sum of r~_j over the steps of output i that end at or after
     t (0 after the last). The caller makes the final answer a step with the outcome reward."""
     normalised = group_advantages(rewards, seq // group_size, **baselines)
-    at_end = torch.zeros(num_sequences, num_tokens, dtype=rewards.dtype)
+    at_end = torch.zeros(shape, dtype=rewards.dtype)
     at_end.index_put_((seq, end), normalised, accumulate=True)  # r~_j at the step's last token
     return at_end.flip(1).cumsum(1).flip(1)  # sum over the steps ending at or after t
 
@@ -371,7 +372,7 @@ def token_log_probs(model, mb: MicroBatch, temperature, *, share_prompt=True, en
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """(B, T) per-token estimate of KL(pi_theta || pi_ref) from the (B, T) log probs of tokens
+    """(b, T) per-token estimate of KL(pi_theta || pi_ref) from the (b, T) log probs of tokens
     sampled from pi_theta, ``r = pi_ref / pi_theta`` (Schulman 2020): ``k1 = -log r`` (unbiased),
     ``k2 = (log r)^2 / 2`` (biased, >= 0), ``k3 = r - log r - 1`` (unbiased, >= 0; eq. 4). In the
     loss (d/dlogp: k1 1, k2 ``-log r``, k3 ``1 - r``) the expected gradient is that of KL(pi_ref ||
@@ -536,7 +537,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
             model_path=model_path,
         )
     rank, world, device = common.start_processes(args.device)  # torchrun: each its share of a batch
-    torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
+    torch.manual_seed(args.seed)  # the reward model's new head; the draws are seeded per step
 
     def held_out(pi):  # (metrics, responses) of the held-out questions; --eval-samples: sampled
         return tasks.held_out_accuracy(
@@ -615,17 +616,18 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     share_prompt = not args.gradient_checkpointing
     # leave out rows that add exactly 0 to the loss and its gradient (no token in it, or, with no
     # KL or entropy term, A = 0); not under bnpo, whose per-micro-batch mean counts them
-    other_terms = args.beta + args.entropy_coef > 0
-    skip_rows = args.mask_truncated_completions or not other_terms
-    skip_rows = skip_rows and args.loss_type != "bnpo"
+    other_terms = args.beta > 0 or args.entropy_coef > 0
+    zero_rows = args.mask_truncated_completions or not other_terms  # no token, or A = 0 alone
+    skip_rows = zero_rows and args.loss_type != "bnpo"  # bnpo's micro-batch mean counts every row
 
     # Algorithm 1, line 1: policy model pi_theta <- pi_theta_init (loaded above)
     for iteration in range(start_step // steps_per_iteration, args.iterations):  # line 2
         first_step = iteration * steps_per_iteration
         last_step = first_step + steps_per_iteration - 1
-        # line 3: reference model pi_ref <- pi_theta (iteration 1's was loaded as pi_theta_init; a
-        # resumed iteration's was restored)
-        if reference is not None and iteration > 0 and start_step <= first_step:
+        # line 3: reference model pi_ref <- pi_theta (the first iteration's was loaded as
+        # pi_theta_init; an iteration resumed after its first step has its own, restored)
+        restored = start_step > first_step
+        if reference is not None and iteration > 0 and not restored:
             reference.load_state_dict(policy.state_dict())
         steps = range(max(start_step, first_step), last_step + 1)
         for step in log.progress(steps, args.total_steps):  # line 4
@@ -641,9 +643,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                     batch.completion_mask, args.max_new_tokens, args.overlong_buffer
                 )
                 batch.rewards = batch.rewards + penalty  # batch.verifiable stays the task's
-            rewards = batch.rewards  # (N,) r_i, G contiguous outputs a question
+            all_rewards = batch.rewards  # (N,) r_i, G contiguous outputs a question
             if world > 1:  # torchrun: every process's r_i, (B * G * world,) in group order
-                rewards = common.all_gather(rewards)
+                all_rewards = common.all_gather(all_rewards)
             if rm_training:  # line 12's training set (§4.1.4): these samples
                 rm_training.add(batch)
             gen_time = time.time() - t0
@@ -652,7 +654,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
             if args.supervision == "outcome":  # §4.1.2: (r_i - mean(r)) / std(r) of its group
                 groups = torch.arange(num_outputs) // G
                 advantages = group_advantages(
-                    rewards, groups, scale=args.scale_rewards, baseline=args.advantage
+                    all_rewards, groups, scale=args.scale_rewards, baseline=args.advantage
                 )
                 ours = slice(rank * N, rank * N + N)  # this process's groups
                 advantages = advantages[ours].to(device)
@@ -693,10 +695,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
 
             # lines 10-11: mu GRPO iterations, each maximising eq. 3 over the whole batch
             # (gradients accumulated over its micro-batches); pi_old stays the sampling policy
-            tokens_in_loss = loss_mask.sum()  # DAPO's normaliser
-            if world > 1:  # torchrun: every process's tokens
-                tokens_in_loss = common.all_reduce(tokens_in_loss)
-            num_tokens = tokens_in_loss.item()
+            num_tokens = loss_mask.sum().item()  # DAPO's normaliser: the tokens in the loss
+            if world > 1:  # torchrun: every process's
+                num_tokens = common.all_reduce(torch.tensor(num_tokens)).item()
             loss_stats = []  # grpo_loss's stats of each micro-batch, for step_metrics
             for _ in range(args.mu):
                 optimizer.zero_grad(set_to_none=True)
@@ -744,23 +745,25 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                 grad_norm = common.clip_gradients_or_stop(trained, args.max_grad_norm, step)
                 optimizer.step()
 
-            # line 12, after an iteration's last step: update r_phi by continuous training with a
-            # replay mechanism (§4.1.4); here, before the step's checkpoint, which then holds it
+            # line 12: update r_phi by continuous training with a replay mechanism (§4.1.4). The
+            # paper's line closes the iteration loop; here it runs at the iteration's last step,
+            # before that step's checkpoint, which so holds the trained r_phi
+            done = step + 1  # steps done
             if rm_training and step == last_step:
-                log(step + 1, rm_training.train(step))
+                log(done, rm_training.train(step))
 
             # logging, evaluation (every --eval-every), checkpoints (every --save-every)
             metrics = step_metrics(
-                args, batch, rewards, loss_stats, grad_norm=grad_norm, t0=t0, gen_time=gen_time
+                args, batch, all_rewards, loss_stats, grad_norm=grad_norm, t0=t0, gen_time=gen_time
             )
-            log(step + 1, metrics)
-            log.samples(step + 1, sample_lines(batch, G), args.sample_every)
-            periodic = args.eval_every > 0 and (step + 1) % args.eval_every == 0
-            eval_due = args.eval_size > 0 and (periodic or step + 1 == args.total_steps)
-            log.evaluate(step + 1, eval_due, lambda: held_out(policy)[0])
+            log(done, metrics)
+            log.samples(done, sample_lines(batch, G), args.sample_every)
+            periodic = args.eval_every > 0 and done % args.eval_every == 0
+            eval_due = args.eval_size > 0 and (periodic or done == args.total_steps)
+            log.evaluate(done, eval_due, lambda: held_out(policy)[0])
             save_checkpoint(
                 log,
-                step + 1,
+                done,
                 args,
                 policy,
                 optimizer=optimizer,
@@ -928,8 +931,7 @@ def process_supervision(batch: Batch, tokenizer, args: Args, device, *, step_rew
         step_rewards,
         step_rows,
         step_ends,
-        num_sequences=N,
-        num_tokens=T,
+        shape=(N, T),
         group_size=args.group_size,
         scale=args.scale_rewards,
         baseline=args.advantage,

@@ -182,8 +182,8 @@ class Args:
     device: str = "auto"  # 'auto' (CUDA when present, else CPU), 'cpu', 'cuda' or 'cuda:N'
     # sequences per forward/backward pass; gradients are accumulated over a minibatch
     micro_batch_size: Annotated[int, Ge(1)] = 8
-    # prompts per sampling call (0 = all of a process's): memory, never the samples, which depend on
-    # --seed, the step and each row's place in the batch alone
+    # prompts per sampling call (0 = all of a process's): memory; the draws depend on --seed, the
+    # step and each row's place in the batch alone (the samples, up to float rounding)
     generation_prompts_per_call: Annotated[int, Ge(0)] = 0
     # bfloat16 autocast on a CUDA GPU that supports it or a CPU with AVX512-BF16 (weights,
     # optimizer, LM head and log-softmax stay float32); float32 elsewhere
@@ -459,7 +459,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
             model_path=model_path,
         )
     rank, world, device = common.start_processes(args.device)  # torchrun: each its share of a batch
-    torch.manual_seed(args.seed)  # the other draws are seeded per step from --seed
+    torch.manual_seed(args.seed)  # the minibatches' order (a checkpoint keeps its state)
 
     def held_out(pi):  # (metrics, responses) of the held-out questions; --eval-samples: sampled
         return tasks.held_out_accuracy(
@@ -709,8 +709,8 @@ def rollout(sampler: Sampler, args: Args, step: int) -> Batch:
 
     The prompts are drawn from ``(--seed, step)``; the completions come from ``softmax(logits /
     temperature)`` (within the top-p nucleus), in calls of --generation-prompts-per-call prompts,
-    each reseeded from ``(--seed, step, global index of its first prompt)``: samples do not depend
-    on the number of processes. Each completion is padded after its first EOS
+    each row's draws from ``(--seed, step, its place in the whole batch)``: they depend neither on
+    the number of processes nor on the calls. Each completion is padded after its first EOS
     (:func:`completion_mask`).
 
     Raises:

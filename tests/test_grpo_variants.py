@@ -228,7 +228,7 @@ def test_rloo_and_reinforce_plus_plus_advantages_hand_computed():
         assert (equal == 0).all() == (baseline == "rloo"), equal
 
 
-SHAPE = dict(num_sequences=4, num_tokens=5, group_size=2)  # process_example's N, T, G
+SHAPE = dict(shape=(4, 5), group_size=2)  # process_example's (N, T) and G
 
 
 def process_example():
@@ -249,9 +249,7 @@ def process_example():
 
 def test_process_advantages_hand_computed():
     r, seq, end = process_example()
-    adv = grpo_lm.process_advantages(
-        r, seq, end, num_sequences=4, num_tokens=5, group_size=2, eps=EPS
-    )
+    adv = grpo_lm.process_advantages(r, seq, end, shape=(4, 5), group_size=2, eps=EPS)
     n0 = 0.5 / (
         math.sqrt(1 / 3) + EPS
     )  # group 0: mean 0.5, unbiased std sqrt(1/3), steps become +-n0
@@ -299,7 +297,7 @@ def test_process_advantages_with_only_final_answers_equal_outcome_advantages():
     g = torch.Generator().manual_seed(0)
     rewards, lengths = torch.rand(8, generator=g), torch.tensor([3, 5, 1, 4, 5, 2, 2, 5])
     adv = grpo_lm.process_advantages(
-        rewards, torch.arange(8), lengths - 1, num_sequences=8, num_tokens=5, group_size=4, eps=EPS
+        rewards, torch.arange(8), lengths - 1, shape=(8, 5), group_size=4, eps=EPS
     )
     outcome = grpo_lm.group_advantages(rewards, GROUPS, eps=EPS)
     for i in range(
@@ -387,9 +385,9 @@ def test_step_ends_map_to_token_indices_with_a_character_tokenizer(monkeypatch):
     T = batch.completion_ids.shape[1]
     seen = {}
 
-    def process_advantages(rewards, seq, end, *, num_sequences, num_tokens, **baselines):
+    def process_advantages(rewards, seq, end, *, shape, **baselines):
         seen.update(rewards=rewards.tolist(), seq=seq.tolist(), end=end.tolist())
-        return torch.zeros(num_sequences, num_tokens)
+        return torch.zeros(shape)
 
     def steps(text, example):  # the arithmetic steps, and one past the end
         return grpo_lm.arithmetic_step_rewards(text) if text == texts[0] else [(999, 0.5)]
@@ -780,9 +778,9 @@ def test_a_step_reward_function_reads_what_a_reward_function_reads(monkeypatch):
     received = []
     seen = {}
 
-    def process_advantages(rewards, seq, end, *, num_sequences, num_tokens, **baselines):
+    def process_advantages(rewards, seq, end, *, shape, **baselines):
         seen[prefix] = (rewards.tolist(), seq.tolist(), end.tolist())
-        return torch.zeros(num_sequences, num_tokens)
+        return torch.zeros(shape)
 
     def steps(text, example):
         received.append(text)
