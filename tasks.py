@@ -128,7 +128,7 @@ def _jsonl_example(line: bytes, prompt_field: str, answer_field: str, numeric: b
     else:  # the caller adds FILE:LINE
         quoted = repr(final[:60])
         number = "a number such as 45, -3.5 or 1,234 (alone or after GSM8K's ####)"
-        check(not numeric, f"answer {quoted} is not {number}; else use --reward-fn")
+        check(not numeric, f"answer {quoted} is not {number}; else use --reward-fn/--correct-fn")
         check(re.search(r"\w", final), f"answer {quoted} has no word or number to compare")
     example = {**row, "question": prompt, "answer": final}
     if gsm8k:
@@ -286,12 +286,16 @@ def load_function(spec: str, flag: str, files: dict) -> Callable:
     return fn
 
 
-def load_reward_fns(specs: list[str], own: RewardFn | None = None) -> list[tuple[str, RewardFn]]:
+def load_reward_fns(
+    specs: list[str], own: RewardFn | None = None, files: dict | None = None
+) -> list[tuple[str, RewardFn]]:
     """--reward-fn ``path/to/file.py:function_name`` specs as (log name, function) pairs, each file
-    run once (:func:`load_function`), ``task``: ``own``; the log name is the function's, with
+    run once (:func:`load_function`; ``files``: the globals of files already run, by path),
+    ``task``: ``own``; the log name is the function's, with
     ``_2``, ``_3``... when it repeats (``task`` counts). A function that does not take (completion,
     example) fails at its first call. UsageError naming the spec: a bad spec, file or function."""
-    files = {}  # each file's globals, by path
+    if files is None:
+        files = {}  # each file's globals, by path
     names = [spec.rpartition(":")[2] for spec in specs]
     loaded = []
     for i, spec in enumerate(specs):
@@ -347,15 +351,17 @@ def task_of(
         task = make_multistep_task(num_test)
     else:
         task = make_addition_task(num_test)
+    files = {}  # each function file's globals, by path: a file both flags name runs once
+    if correct_fn:
+        task.correct_fn = load_function(correct_fn, "--correct-fn", files)
     if eval_dataset:
         flag = "--eval-dataset"
-        test = read_jsonl(eval_dataset, prompt_field, answer_field, numeric=numeric, flag=flag)
+        numbers = task.correct_fn is number_matches  # the matcher that judges them reads numbers
+        test = read_jsonl(eval_dataset, prompt_field, answer_field, numeric=numbers, flag=flag)
         check(test, f"{flag}: {eval_dataset} has no examples")
         task.test = test[:eval_size]
-    if correct_fn:
-        task.correct_fn = load_function(correct_fn, "--correct-fn", {})
     if reward_fn:
-        task.reward_fns = load_reward_fns(reward_fn, task.reward_fn)
+        task.reward_fns = load_reward_fns(reward_fn, task.reward_fn, files)
         task.reward_weights = list(reward_weights) or None
     return task
 
@@ -458,7 +464,8 @@ def held_out_accuracy(
 ):
     """(:func:`sample_metrics`, each question's responses) of the first ``size`` held-out questions:
     prompts (with ``system_prompt`` and ``response_prefix``) answered greedily, or ``samples`` > 1
-    times at ``temperature`` and ``top_p``, seeded from ``seed`` per call of ``batch_size``; each
+    times at ``temperature`` and ``top_p``, each response's draws seeded from ``seed`` and its
+    place among the held-out responses (:func:`common.row_uniforms`); each
     response (prefix + completion) scored by ``task.correct_fn``, and ``eval/reward_mean``: the
     mean of the task's reward (:func:`score_task`; not a reward model's) over the responses.
     UsageError: as score_correct and score_task."""

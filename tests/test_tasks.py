@@ -754,6 +754,38 @@ def test_eval_dataset_holds_the_held_out_questions_and_nothing_is_cut_from_train
     one_line_error(task_with, eval_dataset=empty, match=r"^--eval-dataset: .*empty.jsonl has no ")
 
 
+def test_a_file_that_both_correct_fn_and_reward_fn_name_runs_once(tmp_path):
+    # one module's globals serve both flags, as --reward-fn's own repeats share one run
+    shared = tmp_path / "shared.py"
+    shared.write_text(
+        "open(__file__ + '.runs', 'a').write('x')\n\n\n"
+        "def reward(response, example):\n    return 1.0\n\n\n"
+        "def right(response, example):\n    return True\n"
+    )
+    task = task_with(correct_fn=f"{shared}:right", reward_fn=[f"{shared}:reward", "task"])
+    assert task.correct_fn("x", {}) and task.reward_fns[0][1]("x", {}) == 1.0
+    assert (tmp_path / "shared.py.runs").read_text() == "x"
+
+
+def test_a_held_out_answer_the_tasks_matcher_cannot_read_is_one_line_before_anything_loads(
+    tmp_path,
+):
+    # the built-in task's matcher reads numbers: a text answer in --eval-dataset is refused when
+    # the file is read (a --reward-fn without `task` does not change who judges the answers)
+    reward = tmp_path / "reward.py"
+    reward.write_text("def brevity(response, example):\n    return 0.0\n")
+    held = write_jsonl(
+        tmp_path / "held.jsonl", [{"question": "Capital of France?", "answer": "Paris"}]
+    )
+    flags = dict(eval_dataset=held, reward_fn=[f"{reward}:brevity"])
+    match = r"^--eval-dataset: .*held.jsonl:1: answer 'Paris' is not a number"
+    one_line_error(task_with, **flags, match=match)
+    verifiers = tmp_path / "verifiers.py"
+    verifiers.write_text(VERIFIERS)
+    judged = task_with(**flags, correct_fn=f"{verifiers}:always")  # a judge of its own: any text
+    assert judged.test[0]["answer"] == "Paris"
+
+
 # ---------------------------------------------------------------------------------------------
 # Process supervision's step finder on model-like text (grpo_lm.py)
 # ---------------------------------------------------------------------------------------------
