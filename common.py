@@ -13,6 +13,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import numpy as np
@@ -594,6 +595,15 @@ def row_uniforms(seed_keys: tuple, rows: range, length: int) -> torch.Tensor:
     return uniforms
 
 
+class Completions(NamedTuple):
+    """The sampler's output: N rows (the repeats of a prompt contiguous), T the longest row."""
+
+    ids: torch.Tensor  # (N, T) long: the tokens, pad after the EOS
+    sampled: torch.Tensor  # (N, T) float: 1 where the policy drew the token (a tool's tokens: 0)
+    log_probs: torch.Tensor  # (N, T) float32: the draws' log softmax(logits / T) (0: not drawn)
+    tool_calls: torch.Tensor  # (N, 2) long: each row's tool calls, and those that raised
+
+
 def generate_completions(
     policy,
     prompts,
@@ -607,48 +617,68 @@ def generate_completions(
     seed_keys: tuple,
     first_index: int = 0,
     per_call: int = 0,
-) -> list:
+    tool=None,
+) -> Completions:
     """``repeats`` completions of each prompt (contiguous, padded after the EOS) by :func:`decode`
     from ``softmax(logits / temperature)`` within the ``top_p`` nucleus (``temperature`` 0:
-    greedy), under --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0: all). Row j of
-    prompt p draws from (``*seed_keys``, (``first_index`` + p) * ``repeats`` + j): ``first_index``
-    is the place of ``prompts[0]`` among every process's prompts (:func:`row_uniforms`)."""
-    completions = []
+    greedy, log probs 0), under --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0:
+    all), ``tool`` (grpo_lm.Tool) called by the rows. Row j of prompt p draws from (``*seed_keys``,
+    (``first_index`` + p) * ``repeats`` + j): ``first_index`` is the place of ``prompts[0]`` among
+    every process's prompts (:func:`row_uniforms`). UsageError: as :class:`DrawNextToken`."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     per_call = per_call or len(prompts)
+    n = len(prompts) * repeats
+    ids = torch.full((n, max_new_tokens), pad)
+    sampled = torch.zeros(n, max_new_tokens)
+    log_probs = torch.zeros(n, max_new_tokens)
+    tool_calls = torch.zeros(n, 2, dtype=torch.long)
+    width = 1  # the longest row's
     for i in range(0, len(prompts), per_call):
         call_prompts = prompts[i : i + per_call]
+        ours = slice(i * repeats, (i + len(call_prompts)) * repeats)  # this call's rows
         first_row = (first_index + i) * repeats  # its place among every process's rows
         rows = range(first_row, first_row + len(call_prompts) * repeats)
         uniforms = row_uniforms(seed_keys, rows, max_new_tokens).to(policy.device)
-        ids, att = pad_left(call_prompts, pad, policy.device)
+        prompt_ids, att = pad_left(call_prompts, pad, policy.device)
         draw = DrawNextToken(temperature, top_p, uniforms)
+        if tool is not None:
+            tool.start(len(rows), tokenizer)
         with torch.no_grad(), bf16_autocast(policy.device, bf16):
-            completions += decode(
+            out, drawn = decode(
                 policy,
-                ids,
+                prompt_ids,
                 att,
                 max_new_tokens=max_new_tokens,
                 eos=eos,
                 pad=pad,
                 pick=draw,
                 repeats=repeats,
+                tools=tool,
             )
-    return completions
+        T = out.shape[1]
+        width = max(width, T)
+        ids[ours, :T] = out.cpu()
+        sampled[ours, :T] = drawn.cpu()
+        log_probs[ours, :T] = (draw.log_probs[:, :T] * drawn).cpu()
+        if tool is not None:
+            tool_calls[ours] = tool.counts
+    return Completions(ids[:, :width], sampled[:, :width], log_probs[:, :width], tool_calls)
 
 
 def decode(
-    model, ids, att, *, max_new_tokens: int, eos: int, pad: int, pick, repeats: int = 1
-) -> list:
+    model, ids, att, *, max_new_tokens: int, eos: int, pad: int, pick, repeats: int = 1, tools=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Under no_grad: ``repeats`` completions (contiguous) of each left-padded prompt ``ids`` (N, L;
-    mask ``att``), lists of <= ``max_new_tokens`` tokens to the EOS, then ``pad``; ``pick(logits (n,
-    V), rows (n,), position)`` draws the going rows' tokens at ``position``. A prompt is prefilled
-    once; finished rows leave."""
+    mask ``att``): (n, T) tokens (T <= ``max_new_tokens``; to the EOS, then ``pad``) and the (n, T)
+    float mask of those ``pick(logits (n', V), rows (n',), position)`` drew (the going rows'
+    tokens at ``position``), 0 where ``tools`` (grpo_lm.Tool) wrote one. A prompt is
+    prefilled once; finished rows leave; a tool's tokens go in one a step, the cache kept."""
     n = len(ids) * repeats
     x = ids  # the tokens fed: the prompts, then each going row's last token
     cache = None
     out = ids.new_full((n, max_new_tokens), pad)
+    sampled = torch.zeros(n, max_new_tokens, device=ids.device)
     going = torch.arange(n, device=ids.device)  # the rows still going
     for position in range(max_new_tokens):  # of the token drawn, in the completion
         positions = (att.cumsum(1) - 1).clamp(min=0)  # from 0 at each row's first token
@@ -668,7 +698,11 @@ def decode(
             logits = logits.repeat_interleave(repeats, 0)
             att = att.repeat_interleave(repeats, 0)
         token = pick(logits, going, position)
+        drawn = torch.ones(len(going), device=ids.device)
+        if tools is not None:  # a tool's queued tokens take the draws' places
+            token, drawn = tools(token, going)
         out[going, position] = token
+        sampled[going, position] = drawn
         left = (token != eos).nonzero()[:, 0]  # of the going rows, those without an EOS
         if len(left) == 0:
             break
@@ -679,34 +713,41 @@ def decode(
             token = token[left]
         x = token[:, None]
         att = torch.cat([att, att.new_ones(len(att), 1)], 1)
-    return out[:, : position + 1].tolist()
+    return out[:, : position + 1], sampled[:, : position + 1]
 
 
 class DrawNextToken:
     """``pick`` for :func:`decode`: each row's token from ``softmax(logits / T)`` in the top-p
     nucleus by inverse CDF, with the uniform ``uniforms[row, position]`` ((rows, max new tokens), in
-    [0, 1): :func:`row_uniforms`). UsageError: non-finite probabilities."""
+    [0, 1): :func:`row_uniforms`); ``log_probs`` (same shape) keeps each draw's log probability
+    under ``softmax(logits / T)`` (the whole vocabulary's, as the trainer computes it). UsageError:
+    non-finite probabilities."""
 
     def __init__(self, temperature: float, top_p: float, uniforms: torch.Tensor):
         from transformers import TopPLogitsWarper
 
         self.temperature = temperature
         self.uniforms = uniforms
+        self.log_probs = torch.zeros_like(uniforms)
         self.top_p = TopPLogitsWarper(top_p) if top_p < 1 else None
 
     def __call__(self, logits: torch.Tensor, going: torch.Tensor, position: int) -> torch.Tensor:
         if self.temperature == 0:  # greedy (the held-out accuracy)
             return logits.argmax(-1)
         scores = logits.float() / self.temperature
-        if self.top_p:
-            scores = self.top_p(None, scores)  # -inf outside the nucleus
-        cdf = scores.log_softmax(-1).exp().cumsum(-1)
+        log_probs = scores.log_softmax(-1)
+        nucleus = log_probs
+        if self.top_p:  # -inf outside the nucleus
+            nucleus = self.top_p(None, scores).log_softmax(-1)
+        cdf = nucleus.exp().cumsum(-1)
         total = cdf[:, -1:]  # (n, 1): 1 up to rounding
         diverged = "non-finite next-token probabilities while sampling: the weights have diverged"
         check(bool(torch.isfinite(total).all()), f"{diverged} (check --learning-rate)")
         u = self.uniforms[going, position, None] * total  # (n, 1) in [0, total)
         index = torch.searchsorted(cdf, u, right=True)
-        return index.clamp(max=cdf.shape[1] - 1)[:, 0]
+        token = index.clamp(max=cdf.shape[1] - 1)[:, 0]
+        self.log_probs[going, position] = log_probs.gather(1, token[:, None])[:, 0]
+        return token
 
 
 # ---- Several processes (torchrun, as nanoGPT's train.py) and bf16 ---------------------------

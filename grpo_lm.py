@@ -59,7 +59,7 @@ import pydantic
 import torch
 import torch.nn.functional as F
 import tyro
-from annotated_types import Ge, Gt, Interval
+from annotated_types import Ge, Gt, Interval, MinLen
 
 import common
 import tasks
@@ -160,6 +160,17 @@ class Args:
     # completions that never emitted EOS take no part in the loss (DAPO overlong filtering)
     mask_truncated_completions: bool = False
 
+    # --- tools while sampling (not in the paper): a tool's tokens are context, not actions ---
+
+    # 'calculator' (the arithmetic between --tool-markers, as GSM8K's <<48/2= gets 24>>) or your
+    # own, path/to/file.py:function(call text) -> the text to inject or None (default: no tool)
+    tool: str | None = None
+    # the texts that open and close a call: when a completion's text ends with the second, the tool
+    # gets the text between them (since its last output)
+    tool_markers: tuple[Annotated[str, MinLen(1)], Annotated[str, MinLen(1)]] = ("<<", "=")
+    # tokens of a tool's output at most (the rest cut); they count against --max-new-tokens
+    max_tool_tokens: Annotated[int, Ge(1)] = 16
+
     # --- LoRA (Hu et al. 2021, through peft): train low-rank adapters instead of every weight ---
 
     # rank R of the policy's LoRA adapters (0 = full fine-tuning; the reference: adapters disabled)
@@ -221,8 +232,12 @@ class Batch:
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
     completion_ids: torch.Tensor  # (N, T) the sampled tokens, padding after the first EOS
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
+    # (N, T) float, 1 where the policy drew the token (inside completion_mask; 0: a tool wrote it)
+    sampled_mask: torch.Tensor
+    sampler_log_probs: torch.Tensor  # (N, T) the sampler's log probs of the drawn tokens (else 0)
     examples: list[dict]  # the question (and answer) of each completion
     completions: list[str]  # the decoded completions
+    tool_calls: torch.Tensor  # (N, 2) long: each completion's --tool calls, and those that raised
     rewards: torch.Tensor | None = None  # (N,) r_i, what the advantages normalise
     verifiable: torch.Tensor | None = None  # (N,) the task's reward (None: a frozen RM scores)
     correct: torch.Tensor | None = None  # (N,) bool, the final answer is right
@@ -524,6 +539,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         correct_fn=args.correct_fn,
         eval_dataset=args.eval_dataset,
     )
+    tool = make_tool(args)  # --tool: the calculator or your function
     tokenizer = common.load_tokenizer(model_path)
     if not args.eval_only:  # the training questions whose prompts fit
         questions = tasks.training_questions(
@@ -554,6 +570,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
             temperature=args.temperature,
             top_p=args.top_p,
             seed=args.seed,
+            tool=tool,
         )
 
     # Algorithm 1's input: the initial policy pi_theta_init, a reference pi_ref (a frozen copy of
@@ -601,6 +618,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         rank=rank,
         world=world,
         device=device,
+        tool=tool,
     )
     evaluate_first = args.eval_size > 0 and not checkpoint  # the held-out accuracy at the start
     log.evaluate(0, evaluate_first, lambda: held_out(policy)[0])
@@ -640,7 +658,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                 batch = dynamic_sampling(batch, sampler, args, step)
             if args.overlong_buffer:  # DAPO §3.4: soft overlong punishment
                 penalty = overlong_penalty(
-                    batch.completion_mask, args.max_new_tokens, args.overlong_buffer
+                    batch.sampled_mask, args.max_new_tokens, args.overlong_buffer
                 )
                 batch.rewards = batch.rewards + penalty  # batch.verifiable stays the task's
             all_rewards = batch.rewards  # (N,) r_i, G contiguous outputs a question
@@ -663,8 +681,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                     batch, tokenizer, args, device, step_reward_fn=step_reward_fn
                 )
 
-            # the tokens in the loss: o_i up to its EOS
-            loss_mask = batch.completion_mask
+            # the tokens in the loss: those of o_i the policy drew, up to its EOS (a tool's tokens
+            # are context: no ratio, KL, entropy or count of |o_i| has them)
+            loss_mask = batch.sampled_mask
             if args.mask_truncated_completions:  # DAPO §3.4 overlong filtering
                 loss_mask = loss_mask * ~batch.truncated[:, None]
             rows = torch.arange(N)
@@ -699,7 +718,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
             if world > 1:  # torchrun: every process's
                 num_tokens = common.all_reduce(torch.tensor(num_tokens)).item()
             loss_stats = []  # grpo_loss's stats of each micro-batch, for step_metrics
-            for _ in range(args.mu):
+            for update in range(args.mu):
                 optimizer.zero_grad(set_to_none=True)
                 # dropout is off (zeroed at load); train mode makes HF's gradient checkpointing
                 # recompute activations, and does nothing else here
@@ -738,6 +757,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                     loss.backward()
                     stats["loss"] = loss.detach()
                     stats["entropy"] = (entropy.detach() * mask).sum()
+                    if update == 0:  # the sampler's log probs against these (the same weights)
+                        sampler_logp = mb.take(batch.sampler_log_probs)
+                        stats |= sampler_agreement(logp.detach(), sampler_logp, mask)
                     loss_stats.append(stats)
                 policy.eval()
                 if world > 1:  # torchrun: the gradients summed over processes, as DDP does
@@ -793,6 +815,7 @@ class Sampler:
     rank: int  # torchrun: this process samples the groups rank * B .. rank * B + B - 1 of each step
     world: int
     device: torch.device
+    tool: Any = None  # --tool's Tool: called while sampling
 
 
 def sample_and_score(sampler: Sampler, args: Args, step: int, round_: int = 0) -> Batch:
@@ -816,7 +839,7 @@ def sample_and_score(sampler: Sampler, args: Args, step: int, round_: int = 0) -
     questions = [example["question"] for example in examples[::G]]
     prompts = tasks.prompt_ids(tokenizer, questions, args.system_prompt, args.response_prefix)
     seed_keys = (args.seed, step, round_)
-    rows = common.generate_completions(
+    sampled = common.generate_completions(
         sampler.policy,
         prompts,
         G,
@@ -828,11 +851,11 @@ def sample_and_score(sampler: Sampler, args: Args, step: int, round_: int = 0) -
         seed_keys=seed_keys,
         first_index=first,
         per_call=args.generation_groups_per_call,
+        tool=sampler.tool,
     )
     repeated = [prompt for prompt in prompts for _ in range(G)]
     prompt_ids, prompt_mask = common.pad_left(repeated, pad, sampler.device)
-    rows = [torch.tensor(row, device=sampler.device) for row in rows]  # padded after the EOS
-    completion_ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
+    completion_ids = sampled.ids.to(sampler.device)  # padded after the EOS
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     batch = Batch(
@@ -840,8 +863,11 @@ def sample_and_score(sampler: Sampler, args: Args, step: int, round_: int = 0) -
         prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=mask,
+        sampled_mask=sampled.sampled.to(sampler.device),
+        sampler_log_probs=sampled.log_probs.to(sampler.device),
         examples=examples,
         completions=texts,
+        tool_calls=sampled.tool_calls,
     )
     ends_with_eos = (completion_ids == tokenizer.eos_token_id) & mask.bool()
     batch.truncated = ~ends_with_eos.any(1)  # no EOS within --max-new-tokens
@@ -884,15 +910,93 @@ def responses(batch: Batch, args: Args) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Tools while sampling (not in the paper): a tool's tokens are context for the policy, not actions
+# ----------------------------------------------------------------------------------------------
+class Tool:
+    """--tool: ``function(call text) -> the text to inject, or None`` (:func:`calculator`, or
+    yours), called when a row's text since its last tool output (``tokenizer.decode``) ends with
+    ``markers[1]`` after a ``markers[0]``, with the text between. Its output's tokens
+    (``split_special_tokens``: it cannot write an EOS), cut to ``max_tokens``, join the row one a
+    decode step (:func:`common.decode`), the cache kept and nothing re-tokenised; a tool that
+    raises writes its error instead. ``start`` begins a decoding call; ``counts``: (rows, 2) long,
+    each row's calls and errors in it."""
+
+    def __init__(self, function, markers: tuple[str, str], max_tokens: int):
+        self.function = function
+        self.markers = markers
+        self.max_tokens = max_tokens
+
+    def start(self, rows: int, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.since = [[] for _ in range(rows)]  # each row's tokens since its last tool output
+        self.queued = [[] for _ in range(rows)]  # each row's tool tokens still to go in
+        self.counts = torch.zeros(rows, 2, dtype=torch.long)
+
+    def __call__(self, token: torch.Tensor, going: torch.Tensor):
+        """(n,) tokens of the ``going`` rows, ``token`` (the draws) or the tool's next ones, and
+        the (n,) float mask of the draws kept."""
+        tokens = token.tolist()
+        drawn = torch.ones(len(tokens), device=token.device)
+        opening, closing = self.markers
+        for i, row in enumerate(going.tolist()):
+            if self.queued[row]:  # the tool's output, one token a step
+                tokens[i] = self.queued[row].pop(0)
+                drawn[i] = 0.0
+                continue
+            self.since[row].append(tokens[i])
+            text = self.tokenizer.decode(self.since[row])
+            _, opened, call = text.removesuffix(closing).rpartition(opening)
+            if opened and text.endswith(closing):  # a call: the text between the markers
+                self.queued[row] = self.output(call, row)
+                self.since[row] = []
+        return torch.tensor(tokens, device=token.device), drawn
+
+    def output(self, call: str, row: int) -> list[int]:
+        """The token ids of the tool's text for ``call`` (or of its error)."""
+        self.counts[row, 0] += 1
+        try:
+            text = self.function(call)
+        except Exception as e:  # noqa: BLE001 - its error is its output (tools/errors)
+            self.counts[row, 1] += 1
+            text = f"{type(e).__name__}: {e}"
+        if text is None:
+            return []
+        encoded = self.tokenizer(str(text), add_special_tokens=False, split_special_tokens=True)
+        return encoded["input_ids"][: self.max_tokens]
+
+
+def make_tool(args: Args) -> Tool | None:
+    """--tool's :class:`Tool` (None without it): :func:`calculator`, or your function run from its
+    file as --reward-fn's are. UsageError: a bad spec, file or function."""
+    if args.tool is None:
+        return None
+    function = calculator
+    if args.tool != "calculator":
+        function = tasks.load_function(args.tool, "--tool", {})
+    return Tool(function, args.tool_markers, args.max_tool_tokens)
+
+
+def calculator(call: str) -> str:
+    """--tool calculator: the value of the arithmetic ``call`` (``+ - * /``, parentheses, ``$``,
+    ``1,234``, ``×``; :func:`_arithmetic`'s parse, never ``eval``) and GSM8K's closing ``>>``:
+    ``"24>>"`` for ``"48/2"``, ``"0.333333>>"`` for ``"1/3"``. Raises SyntaxError, ValueError
+    (not arithmetic), ZeroDivisionError: the sampler writes the error instead."""
+    expression = call.replace("$", "").replace(",", "").replace("×", "*").strip()
+    value = _arithmetic(ast.parse(expression, mode="eval").body)
+    if value.is_integer():
+        return f"{int(value)}>>"
+    return f"{value:.6g}>>"
+
+
+# ----------------------------------------------------------------------------------------------
 # DeepSeekMath's extensions: process supervision (§4.1.3), iterative RL with its reward model §4.1.4
 # ----------------------------------------------------------------------------------------------
 def process_supervision(batch: Batch, tokenizer, args: Args, device, *, step_reward_fn=None):
-    """§4.1.3: (N, T) advantages on ``device`` from the steps that ``step_reward_fn(response,
-    example) -> [(end character offset, reward), ...]`` (default :func:`arithmetic_step_rewards`)
-    checks in each response (--response-prefix + completion, as a reward function reads it), plus
-    its final answer as one more step with the outcome reward (:func:`process_advantages`); a step
-    that ends inside the prefix is not the policy's and gets no reward. The ``process/*`` scalars
-    (over every process) go to ``batch.scalars``. Raises UsageError: the function raises."""
+    """§4.1.3: (N, T) advantages on ``device`` from the steps ``step_reward_fn(response, example)
+    -> [(end character offset, reward), ...]`` (:func:`arithmetic_step_rewards`) checks in each
+    response (prefix + completion, as reward functions read it) and its final answer, a step with
+    the outcome reward (:func:`process_advantages`); a step ending in the prefix or on a tool's
+    token is not the policy's: unpaid. ``process/*``: ``batch.scalars``. UsageError: it raises."""
     step_reward_fn = step_reward_fn or arithmetic_step_rewards
     N, T = batch.completion_ids.shape
     prefix = len(args.response_prefix)  # characters before the completion's first
@@ -916,8 +1020,10 @@ def process_supervision(batch: Batch, tokenizer, args: Args, device, *, step_rew
         for end, step_reward in steps:
             if end <= prefix:  # inside --response-prefix: not the policy's text, not paid
                 continue
-            token = bisect.bisect_left(lengths, end - prefix)
-            ends.append(min(token, length - 1))
+            token = min(bisect.bisect_left(lengths, end - prefix), length - 1)
+            if not batch.sampled_mask[i, token]:  # a tool wrote the step's result: not paid
+                continue
+            ends.append(token)
             rewards.append(step_reward)
             rows.append(i)
         ends.append(length - 1)  # the final answer: the completion's last token
@@ -1173,8 +1279,11 @@ def merge_groups(batches: list[Batch], chosen: list, G: int, pad: int) -> Batch:
         prompt_mask=cat("prompt_mask", 0, left=True),
         completion_ids=cat("completion_ids", pad),
         completion_mask=cat("completion_mask"),
+        sampled_mask=cat("sampled_mask"),
+        sampler_log_probs=cat("sampler_log_probs"),
         examples=cat("examples"),
         completions=cat("completions"),
+        tool_calls=cat("tool_calls"),
         rewards=cat("rewards"),
         verifiable=cat("verifiable"),
         correct=cat("correct"),
@@ -1341,6 +1450,16 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, *, reference
     return checkpoint["step"]
 
 
+def sampler_agreement(logp, sampler_logp, mask) -> dict:
+    """The (b, T) log probs of the drawn tokens as the sampler computed them against ``logp``, the
+    training forward's under the same weights, over ``mask``: the sum of the absolute differences
+    and their max (``sampling/logp_diff_mean``, ``_max``). With --mu 1 the ratio reads the training
+    forward alone, so a mismatch never reaches the loss; this shows a sampler drifting from the
+    trainer (bf16, another kernel: trl#4772)."""
+    difference = (logp - sampler_logp).abs() * mask
+    return {"logp_diff": difference.sum(), "logp_diff_max": difference.max()}
+
+
 def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, *, grad_norm, t0, gen_time):
     """A step's logged scalars over the global batch from ``loss_stats`` (:func:`grpo_loss`'s of
     every micro-batch, with its ``loss`` and masked ``entropy`` sum) and ``batch.scalars``:
@@ -1351,12 +1470,17 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, *, grad_no
     sums = torch.tensor(totals)
     loss, kl, high, low, tokens, entropy = common.all_reduce(sums).tolist()
     token_count = max(tokens, 1)  # the token means' denominator
-    lengths = common.all_gather(batch.completion_mask.sum(1).float().cpu())
+    lengths = common.all_gather(batch.sampled_mask.sum(1).float().cpu())  # the policy's tokens
     correct = common.all_gather(batch.correct.float().cpu())
     truncated = common.all_gather(batch.truncated.float().cpu())
     ratio_max_here = max(stats["ratio_max"].item() for stats in loss_stats)
     ratio_max = common.all_reduce(torch.tensor(ratio_max_here), "max")
     group_stds = rewards.view(-1, args.group_size).std(1)
+    first = loss_stats[: len(loss_stats) // args.mu]  # the first update's: the sampling weights
+    diff_here = sum(stats["logp_diff"].item() for stats in first)
+    diff_max_here = max(stats["logp_diff_max"].item() for stats in first)
+    diff = common.all_reduce(torch.tensor(diff_here)).item()
+    diff_max = common.all_reduce(torch.tensor(diff_max_here), "max").item()
     scalars = {}
     scalars["reward/mean"] = rewards.mean().item()
     scalars["reward/std"] = rewards.std().item()
@@ -1372,6 +1496,14 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, *, grad_no
     scalars["loss/ratio_max"] = ratio_max.item()
     scalars["completion/length_mean"] = lengths.mean().item()
     scalars["completion/frac_truncated"] = truncated.mean().item()
+    scalars["sampling/logp_diff_mean"] = diff / max(tokens / args.mu, 1)
+    scalars["sampling/logp_diff_max"] = diff_max
+    if args.tool:  # how often the policy calls it, and how many tokens of o_i it writes
+        calls = common.all_gather(batch.tool_calls.float())  # (N, 2): calls, errors
+        written = (batch.completion_mask - batch.sampled_mask).sum(1).cpu()
+        scalars["tools/frac_calling"] = (calls[:, 0] > 0).float().mean().item()
+        scalars["tools/errors"] = calls[:, 1].sum().item()
+        scalars["tools/tokens_mean"] = common.all_gather(written).mean().item()
     scalars["optim/grad_norm"] = grad_norm.item()
     scalars["time/generation_s"] = gen_time
     scalars["time/training_s"] = time.time() - t0 - gen_time

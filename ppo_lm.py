@@ -139,6 +139,8 @@ class Args:
     # horizon of the adaptive KL controller, in sequences: beta *= 1 + clip(KL / target - 1,
     # +-0.2) * N / horizon
     adaptive_kl_horizon: Annotated[int, Ge(1)] = 10000
+    # grpo_lm.py's tools while sampling: refused here (GAE over a tool's tokens: docs/ppo_lm.md)
+    tool: str | None = None
 
     # --- LoRA (Hu et al. 2021, through peft): low-rank adapters of the policy ---
 
@@ -727,7 +729,7 @@ def rollout(sampler: Sampler, args: Args, step: int) -> Batch:
     questions = [ex["question"] for ex in examples]
     prompts = tasks.prompt_ids(tokenizer, questions, args.system_prompt, args.response_prefix)
     seed_keys = (args.seed, step)  # with each row's place in the batch: its draws' seed
-    rows = common.generate_completions(
+    sampled = common.generate_completions(
         sampler.policy,
         prompts,
         1,
@@ -742,10 +744,7 @@ def rollout(sampler: Sampler, args: Args, step: int) -> Batch:
     )
     pad = tokenizer.pad_token_id
     prompt_ids, prompt_mask = common.pad_left(prompts, pad, device)
-    row_tensors = [torch.tensor(row, device=device) for row in rows]  # padded after the EOS
-    completion_ids = torch.nn.utils.rnn.pad_sequence(
-        row_tensors, batch_first=True, padding_value=pad
-    )
+    completion_ids = sampled.ids.to(device)  # padded after the EOS
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)  # (N, T): none after the EOS
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
@@ -897,6 +896,8 @@ def validate(args: Args) -> None:
     processes = f"the world size {world} (the number of torchrun processes)"
     by_processes = f"--prompts-per-step {prompts} must be divisible by {processes}"
     check(prompts % world == 0, by_processes)
+    no_tools = "--tool: not in ppo_lm.py (GAE over a tool's tokens needs a design: docs/ppo_lm.md)"
+    check(args.tool is None, no_tools)
     per_process = prompts // world
     share = f"--prompts-per-step {prompts} / world size {world} = {per_process}"
     check(per_process % minibatches == 0, f"{share} prompts per process {divisible}")

@@ -461,14 +461,16 @@ def held_out_accuracy(
     temperature=1.0,
     top_p=1.0,
     seed=0,
+    tool=None,
 ):
     """(:func:`sample_metrics`, each question's responses) of the first ``size`` held-out questions:
     prompts (with ``system_prompt`` and ``response_prefix``) answered greedily, or ``samples`` > 1
     times at ``temperature`` and ``top_p``, each response's draws seeded from ``seed`` and its
     place among the held-out responses (:func:`common.row_uniforms`); each
     response (prefix + completion) scored by ``task.correct_fn``, and ``eval/reward_mean``: the
-    mean of the task's reward (:func:`score_task`; not a reward model's) over the responses.
-    UsageError: as score_correct and score_task."""
+    mean of the task's reward (:func:`score_task`; not a reward model's) over the responses; with
+    ``tool`` (grpo_lm.Tool, called while sampling) ``eval/frac_calling_tool``, the share
+    of responses that call it. UsageError: as score_correct and score_task."""
     n = samples
     sample_temperature = temperature if n > 1 else 0.0  # temperature 0: greedy
     examples = task.test[:size]
@@ -477,6 +479,7 @@ def held_out_accuracy(
     answers = []
     every_response = []
     every_example = []
+    calls = []
     for start in range(0, len(examples), batch_size):
         batch = examples[start : start + batch_size]
         questions = [ex["question"] for ex in batch]
@@ -492,8 +495,9 @@ def held_out_accuracy(
             bf16=bf16,
             seed_keys=(seed, 2**31),  # seeds apart from training's
             first_index=start,
+            tool=tool,
         )
-        completions = tokenizer.batch_decode(new, skip_special_tokens=True)
+        completions = tokenizer.batch_decode(new.ids, skip_special_tokens=True)
         responses = [response_prefix + c for c in completions]
         each = [ex for ex in batch for _ in range(n)]
         first = start * n  # the index of the batch's first response
@@ -502,9 +506,12 @@ def held_out_accuracy(
             answers.append(responses[i : i + n])
         every_response += responses
         every_example += each
+        calls.append(new.tool_calls[:, 0] > 0)
     metrics = sample_metrics(torch.tensor(scores).view(-1, n), answers)
     rewards, _ = score_task(task, every_response, every_example)
     metrics["eval/reward_mean"] = rewards.mean().item()
+    if tool is not None:
+        metrics["eval/frac_calling_tool"] = torch.cat(calls).float().mean().item()
     return metrics, answers
 
 

@@ -119,15 +119,15 @@ def main() -> None:
         for ex in task.test[: args.prompts]
     ]
     options = dict(temperature=args.temperature, top_p=1.0, max_new_tokens=args.max_new_tokens)
-    rows = common.generate_completions(
+    completions = common.generate_completions(
         policy, prompts, 1, tokenizer, **options, bf16=False, seed_keys=(args.seed,)
-    )
+    ).ids
     prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id)
-    T = max(map(len, rows))
-    completions = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])
+    T = completions.shape[1]
+    n = len(completions)
     mask = grpo_lm.completion_mask(completions, tokenizer.eos_token_id)
     completions = torch.where(mask.bool(), completions, tokenizer.pad_token_id)
-    batch = (prompt_ids, prompt_mask, torch.arange(len(rows)), completions, mask.long())
+    batch = (prompt_ids, prompt_mask, torch.arange(n), completions, mask.long())
     valid = mask.bool()
     positions = int(prompt_mask.sum(1).max() + T)
 
@@ -156,7 +156,7 @@ def main() -> None:
     if args.shots:
         source += f" after {args.shots} worked examples"
     lines = [
-        f"Model {args.model_name_or_path}; {len(rows)} {source}, one completion each sampled at T "
+        f"Model {args.model_name_or_path}; {n} {source}, one completion each sampled at T "
         f"= {args.temperature} from the float32 policy ({int(valid.sum())} valid tokens, positions "
         f"up to {positions}); policy = reference with every weight moved by {args.perturbation} x "
         f"its tensor's std; torch {torch.__version__}, CPU bf16 autocast.",

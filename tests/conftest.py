@@ -214,6 +214,29 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def make_tool_model(path: Path) -> Path:
+    """:func:`make_tiny_model` with '#' and '=' about 15 times as likely as another character, so
+    that a tool with the markers '#' and '=' is called in most rows: the embeddings' dimension 0 is
+    0.5 for every token and 1.0 for those two; tied to the LM head, it adds ~2.8 to their logits."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    make_tiny_model(path)
+    model = LlamaForCausalLM.from_pretrained(path)
+    vocab = make_tokenizer().get_vocab()
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings[:, 0] = 0.5
+        embeddings[[vocab["#"], vocab["="]], 0] = 1.0
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> Path:
+    return make_tool_model(tmp_path_factory.mktemp("tiny-llama-tool"))
+
+
 @pytest.fixture(scope="session")
 def tiny_reward_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-rm"), seed=1, kind="reward")

@@ -502,9 +502,19 @@ GRPO = [
         "--reward-fn and a frozen --reward-model-path are two rewards: pick one",
         CHEAP,
     ),
+    (["--tool", "calc"], "--tool calc: expected FILE.py:NAME", CHEAP),
+    (
+        ["--tool", "{root}/missing.py:f"],
+        "--tool {root}/missing.py:f: cannot run {root}/missing.py: FileNotFoundError",
+        CHEAP,
+    ),
+    (["--tool", "{root}/rewards.py:nope"], "--tool {root}/rewards.py:nope: no function", CHEAP),
+    (["--tool-markers", "", "="], "--tool-markers: String should have at least 1 character", CHEAP),
+    (["--max-tool-tokens", "0"], "--max-tool-tokens: must be greater than or equal to 1", CHEAP),
 ]
 
 PPO = [
+    (["--tool", "calculator"], "--tool: not in ppo_lm.py (GAE over a tool's tokens", CHEAP),
     (
         ["--num-minibatches", "3"],
         "--prompts-per-step 4 must be divisible by --num-minibatches 3",

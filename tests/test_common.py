@@ -678,14 +678,19 @@ def test_a_rows_samples_depend_on_its_place_in_the_batch_alone(tiny_model_dir):
     questions = ("1+1=", "What is 2 + 3?", "7*8=")
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in questions]
     options = dict(temperature=1.0, top_p=1.0, max_new_tokens=8, bf16=False, seed_keys=(1, 2, 0))
-    whole = common.generate_completions(model, prompts, 4, tok, **options)
-    by_one = common.generate_completions(model, prompts, 4, tok, per_call=1, **options)
-    first = common.generate_completions(model, prompts[:1], 4, tok, **options)
-    second = common.generate_completions(model, prompts[1:], 4, tok, first_index=1, **options)
-    assert whole == by_one == first + second
+
+    def rows(prompts, **more):  # the sampled rows, to their EOS
+        completions = common.generate_completions(model, prompts, 4, tok, **options, **more)
+        lengths = completions.sampled.sum(1).long().tolist()
+        return [row[:n] for row, n in zip(completions.ids.tolist(), lengths, strict=True)]
+
+    whole = rows(prompts)
+    assert (
+        whole == rows(prompts, per_call=1) == rows(prompts[:1]) + rows(prompts[1:], first_index=1)
+    )
     assert len({tuple(row) for row in whole}) > 4  # sampled, not one row repeated
-    again = common.generate_completions(model, prompts, 4, tok, **{**options, "seed_keys": (1, 3)})
-    assert again != whole  # another step draws anew
+    options["seed_keys"] = (1, 3)
+    assert rows(prompts) != whole  # another step draws anew
 
 
 def test_a_checkpoint_older_than_a_frozen_flag_resumes(tmp_path):

@@ -595,11 +595,11 @@ def test_each_distinct_prompt_is_prefilled_once_with_the_same_samples(tiny_model
     model.register_forward_pre_hook(
         lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)), with_kwargs=True
     )
-    rows = common.generate_completions(model, prompts, 4, tok, **options)
+    rows = common.generate_completions(model, prompts, 4, tok, **options).ids.tolist()
     assert shapes[:2] == [(2, 14), (8, 1)]  # the prompts once, then each row's first token
     shapes.clear()
     each = [p for p in prompts for _ in range(4)]
-    rows_each = common.generate_completions(model, each, 1, tok, **options)
+    rows_each = common.generate_completions(model, each, 1, tok, **options).ids.tolist()
     assert shapes[0] == (8, 14)  # every row's whole prompt
     assert rows == rows_each and len(rows) == 8 and len({tuple(r) for r in rows}) > 1
 
@@ -621,10 +621,11 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
     uniforms = common.row_uniforms((0,), range(16), 40)
     draw = common.DrawNextToken(1.0, 1.0, uniforms)
     with torch.no_grad():
-        rows = common.decode(
+        rows, _ = common.decode(
             model, ids, att, max_new_tokens=40, eos=eos, pad=pad, pick=draw, repeats=8
         )
     hook.remove()
+    rows = rows.tolist()
     lengths = grpo_lm.completion_mask(torch.tensor(rows), eos).sum(1).long().tolist()
     longest = max(lengths)
     assert min(lengths) < longest == len(seen)  # some rows end early
@@ -644,7 +645,7 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
     out = model.generate(ids, logits_processor=[processor(by_generate)], do_sample=False, **kw)
     assert rows == out[:, ids.shape[1] :].tolist()
     with torch.no_grad():
-        greedy = common.decode(
+        greedy, _ = common.decode(
             model,
             ids,
             att,
@@ -653,7 +654,7 @@ def test_decode_drops_finished_rows_and_draws_what_generate_draws(tiny_model_dir
             pad=pad,
             pick=lambda logits, going, step: logits.argmax(-1),
         )
-    assert greedy == model.generate(ids, do_sample=False, **kw)[:, ids.shape[1] :].tolist()
+    assert greedy.tolist() == model.generate(ids, do_sample=False, **kw)[:, ids.shape[1] :].tolist()
 
 
 def test_the_sampler_draws_each_token_with_its_probability():

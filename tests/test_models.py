@@ -37,8 +37,8 @@ def test_the_models_own_generation_config_does_not_shape_the_sampler(tmp_path):
     tok = common.load_tokenizer(str(path))
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "What is 12 + 30?")]
     options = dict(temperature=0.7, top_p=1.0, max_new_tokens=10, bf16=False, seed_keys=(0,))
-    rows = common.generate_completions(model, prompts, 4, tok, **options)
-    assert rows == common.generate_completions(plain, prompts, 4, tok, **options)
+    rows = common.generate_completions(model, prompts, 4, tok, **options).ids.tolist()
+    assert rows == common.generate_completions(plain, prompts, 4, tok, **options).ids.tolist()
     mask = grpo_lm.completion_mask(torch.tensor(rows), tok.eos_token_id)
     assert mask.sum() > 16
     # what the penalties would have changed: a repeated pair, a suppressed token, an early EOS

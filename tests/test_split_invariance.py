@@ -53,12 +53,15 @@ GRPO_CASES = {
     "beta0": dict(beta=0.0),  # equal-reward groups left out of the update
     "rloo": dict(advantage="rloo", loss_type="dr_grpo"),
     "reinforce++_process": dict(advantage="reinforce++", supervision="process", loss_type="dapo"),
+    # a tool's tokens in most rows (the tool model, conftest.make_tool_model): not in the loss
+    "tool": dict(tool=f"{ROOT}/tests/length_tool.py:length", tool_markers=("#", "=")),
 }
 CLIP_GRADIENTS_OR_STOP = common.clip_gradients_or_stop  # the real one, under the spies below
 # under torchrun, what is counted over the processes: sequences, tokens, the batch std, the step
 # rewards of process supervision, skipped rows, the entropy's rows (test_distributed.py runs dapo)
 TORCHRUN_CASES = ("grpo", "dr_grpo", "batch_std", "cispo_mu2", "process", "beta0", "entropy")
 TORCHRUN_CASES += ("reinforce++_process",)  # the batch's mean of every process's step rewards
+TORCHRUN_CASES += ("tool",)
 ONE_STEP = dict(total_steps=1, group_size=4, eval_size=0, bf16=False)
 
 
@@ -89,12 +92,14 @@ def assert_same(a: tuple[float, torch.Tensor], b: tuple[float, torch.Tensor]) ->
 
 
 @pytest.mark.parametrize("case", list(GRPO_CASES))
-def test_grpo_micro_batches_of_1_2_and_all_take_the_same_step(
-    case, tiny_model_dir, tmp_path, monkeypatch
-):
+def test_grpo_micro_batches_of_1_2_and_all_take_the_same_step(case, request, tmp_path, monkeypatch):
+    model = request.getfixturevalue("tiny_model_dir")
+    if "tool" in GRPO_CASES[case]:  # one that calls the tool in most rows
+        model = request.getfixturevalue("tool_model_dir")
+
     def run(size):
         flags = ONE_STEP | GRPO_CASES[case] | dict(micro_batch_size=size, run_name=f"mb{size}")
-        args = grpo_args(tiny_model_dir, tmp_path, **flags)
+        args = grpo_args(model, tmp_path, **flags)
         return first_update(monkeypatch, grpo_lm, args, digit_task())
 
     whole = run(16)
@@ -157,11 +162,18 @@ for case, flags in json.loads(sys.argv[2]).items():
 
 
 def case_flags(extra: dict) -> list[str]:
-    return [x for key, value in extra.items() for x in (f"--{key.replace('_', '-')}", str(value))]
+    flags = []
+    for key, value in extra.items():
+        flags.append(f"--{key.replace('_', '-')}")
+        if isinstance(value, tuple):
+            flags += value
+        else:
+            flags.append(str(value))
+    return flags
 
 
 def test_grpo_two_processes_take_the_same_first_step_as_one_for_every_case(
-    tiny_model_dir, tmp_path, monkeypatch
+    tiny_model_dir, tool_model_dir, tmp_path, monkeypatch
 ):
     # the flags of grpo_args and ONE_STEP on the addition task, a digit-counting reward
     flags = ["--model-name-or-path", str(tiny_model_dir), *varied_reward(tmp_path)]
@@ -171,7 +183,11 @@ def test_grpo_two_processes_take_the_same_first_step_as_one_for_every_case(
     flags += "--save-every 0 --device cpu --no-bf16".split()
 
     def case(name: str, runs_dir: str) -> list[str]:  # the case's flags, its own run directory
-        return [*flags, *case_flags(GRPO_CASES[name]), "--runs-dir", runs_dir, "--run-name", name]
+        model = []
+        if "tool" in GRPO_CASES[name]:  # the last value of a flag given twice counts
+            model = ["--model-name-or-path", str(tool_model_dir)]
+        where = ["--runs-dir", runs_dir, "--run-name", name]
+        return [*flags, *case_flags(GRPO_CASES[name]), *model, *where]
 
     (tmp_path / "driver.py").write_text(DRIVER)
     cases = {name: case(name, str(tmp_path / "two")) for name in TORCHRUN_CASES}
