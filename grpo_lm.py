@@ -914,21 +914,24 @@ def responses(batch: Batch, args: Args) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 class Tool:
     """--tool: ``function(call text) -> the text to inject, or None`` (:func:`calculator`, or
-    yours), called when a row's text since its last tool output (``tokenizer.decode``) ends with
-    ``markers[1]`` after a ``markers[0]``, with the text between. Its output's tokens
+    yours), called when a row's text since its last tool output (``prefix``, --response-prefix,
+    then ``tokenizer.decode``) ends with ``markers[1]`` after a ``markers[0]``, with the text
+    between. Its output's tokens
     (``split_special_tokens``: it cannot write an EOS), cut to ``max_tokens``, join the row one a
     decode step (:func:`common.decode`), the cache kept and nothing re-tokenised; a tool that
     raises writes its error instead. ``start`` begins a decoding call; ``counts``: (rows, 2) long,
     each row's calls and errors in it."""
 
-    def __init__(self, function, markers: tuple[str, str], max_tokens: int):
+    def __init__(self, function, markers: tuple[str, str], max_tokens: int, prefix: str = ""):
         self.function = function
         self.markers = markers
         self.max_tokens = max_tokens
+        self.prefix = prefix
 
     def start(self, rows: int, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.since = [[] for _ in range(rows)]  # each row's tokens since its last tool output
+        self.before = [self.prefix] * rows  # the text before them: the prefix until a call
         self.queued = [[] for _ in range(rows)]  # each row's tool tokens still to go in
         self.counts = torch.zeros(rows, 2, dtype=torch.long)
 
@@ -944,11 +947,12 @@ class Tool:
                 drawn[i] = 0.0
                 continue
             self.since[row].append(tokens[i])
-            text = self.tokenizer.decode(self.since[row])
+            text = self.before[row] + self.tokenizer.decode(self.since[row])
             _, opened, call = text.removesuffix(closing).rpartition(opening)
             if opened and text.endswith(closing):  # a call: the text between the markers
                 self.queued[row] = self.output(call, row)
                 self.since[row] = []
+                self.before[row] = ""
         return torch.tensor(tokens, device=token.device), drawn
 
     def output(self, call: str, row: int) -> list[int]:
@@ -973,7 +977,7 @@ def make_tool(args: Args) -> Tool | None:
     function = calculator
     if args.tool != "calculator":
         function = tasks.load_function(args.tool, "--tool", {})
-    return Tool(function, args.tool_markers, args.max_tool_tokens)
+    return Tool(function, args.tool_markers, args.max_tool_tokens, args.response_prefix)
 
 
 def calculator(call: str) -> str:

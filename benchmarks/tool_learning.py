@@ -45,7 +45,7 @@ TAGS = {  # a result's key: the TensorBoard scalar it reads, a (step, value) lis
     "accuracy": "eval/accuracy",
     "frac_calling_tool": "eval/frac_calling_tool",
     "train_frac_calling": "tools/frac_calling",
-    "train_calls_per_completion": "tools/calls_per_completion",
+    "train_reward": "reward/mean",
 }
 COLOURS = {"tool": "tab:blue", "none": "tab:gray"}
 

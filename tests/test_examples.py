@@ -17,6 +17,7 @@ import grpo_lm
 
 COUNTDOWN = ROOT / "examples" / "countdown.py"
 THINK = ROOT / "examples" / "think_format.py"
+DATE_TOOL = ROOT / "examples" / "date_tool.py"
 countdown = runpy.run_path(str(COUNTDOWN))  # as --reward-fn loads them
 think = runpy.run_path(str(THINK))
 EX = {"question": "...", "numbers": [3, 5, 2, 7], "target": 9, "answer": "9"}
@@ -27,7 +28,9 @@ def write_jsonl(path, rows) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("path", [COUNTDOWN, THINK], ids=["countdown", "think_format"])
+@pytest.mark.parametrize(
+    "path", [COUNTDOWN, THINK, DATE_TOOL], ids=["countdown", "think_format", "date_tool"]
+)
 def test_the_examples_import_only_the_standard_library(path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -327,3 +330,13 @@ def test_countdown_runs_in_ppo(long_model_dir, tmp_path):
     )
     assert len(h["reward/reward/mean"]) == 1 and 0 <= h["reward/reward/mean"][0] <= 1.1 + 1e-6
     assert len(h["eval/accuracy"]) == 2
+
+
+def test_the_date_tool_counts_days_and_raises_on_anything_else():
+    # as --tool loads it; what it raises, the sampler injects as the tool's output
+    days_between = grpo_lm.make_tool(grpo_lm.Args(tool=f"{DATE_TOOL}:days_between")).function
+    assert days_between("2024-01-01 2024-03-01") == " = 60"  # 31 + 29 (a leap year)
+    assert days_between(" 2023-03-01  2023-01-01 ") == " = -59"
+    for call in ("2024-01-01", "2024-01-01 to 2024-03-01", "2024-02-30 2024-03-01"):
+        with pytest.raises(ValueError):
+            days_between(call)

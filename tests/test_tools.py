@@ -59,10 +59,12 @@ def scripted(tiny_model_dir, function, **options):
         calls.append(call)
         return function(call)
 
-    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("What is 1 + 2?", "ok")]
+    questions = options.pop("questions", ("What is 1 + 2?", "ok"))
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in questions]
     options = dict(temperature=1.0, top_p=1.0, bf16=False, seed_keys=(0,)) | options
     max_tool_tokens = options.pop("max_tool_tokens", 16)
-    tool = grpo_lm.Tool(recorded, ("#", "="), max_tool_tokens)
+    prefix = options.pop("prefix", "")  # --response-prefix: the end of each prompt
+    tool = grpo_lm.Tool(recorded, ("#", "="), max_tool_tokens, prefix)
     out = common.generate_completions(model, prompts, 2, tok, tool=tool, **options)
     texts = tok.batch_decode(out.ids, skip_special_tokens=False)
     texts = [text.replace("<pad>", "") for text in texts]
@@ -84,6 +86,11 @@ def test_a_tools_tokens_go_in_between_the_draws_and_only_the_draws_are_sampled(t
     assert out.tool_calls[:, 1].tolist() == [1, 1, 0, 0]
     texts, sampled, _, _ = scripted(tiny_model_dir, lambda call: None, max_new_tokens=20)
     assert texts[0] == "#1+2=ok<eos>" and sampled[0] == [1] * 8
+    # a call opened by --response-prefix ("#", prefilled: the prompt's end) is a call
+    texts, sampled, calls, _ = scripted(
+        tiny_model_dir, lambda call: "3.", max_new_tokens=20, questions=("Q: #",), prefix="#"
+    )
+    assert texts[0] == "1+2=3.ok<eos>" and calls == ["1+2", "1+2"]
 
 
 @pytest.mark.parametrize(
