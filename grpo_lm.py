@@ -15,9 +15,10 @@ samples of lines 5-8); ALGO LOGIC, the math (group_advantages §4.1.2, process_a
 token_log_probs, kl_estimate eq. 4, grpo_loss eq. 3, aggregate); main(), Algorithm 1 line by line,
 its two loops the paper's (for iteration: reference <- policy; for step: sample, reward, advantages,
 mu updates), each extension behind an `if args.<flag>:` with its source. Below main(): lines 5-8
-(sample_and_score, reward), DeepSeekMath's extensions (process supervision §4.1.3, iterative RL with
-a retrained reward model §4.1.4), the later variants (Dr. GRPO arXiv 2503.20783, DAPO 2503.14476,
-GSPO 2507.18071, CISPO 2506.13585, RLOO, REINFORCE++), micro-batches, then the run plumbing.
+(sample_and_score, reward), tools while sampling (Tool, calculator), DeepSeekMath's extensions
+(process supervision §4.1.3, iterative RL with a retrained reward model §4.1.4), the later variants
+(Dr. GRPO arXiv 2503.20783, DAPO 2503.14476, GSPO 2507.18071, CISPO 2506.13585, RLOO, REINFORCE++),
+micro-batches, then the run plumbing.
 
 Where this file departs from the paper (every flag defaults to the paper's GRPO otherwise):
 - Scale: learning rate 1e-5 (the paper's 1e-6 barely moves a 135M model in 36 steps), G = 8
@@ -33,6 +34,9 @@ Where this file departs from the paper (every flag defaults to the paper's GRPO 
 - Process supervision (§4.1.3) makes the final answer one more step with the outcome reward; the
   iterative reward model (§4.1.4) regresses (MSE) on the verifiable reward; line 12 (its training)
   runs at the end of each iteration's last step, before that step's checkpoint, which so holds it.
+- With --tool, a tool's tokens join o_i as context the policy did not choose: the sampler's mask of
+  drawn tokens, not o_i's extent, is eq. 3's sum over t and |o_i| (and every count, length and
+  penalty); process supervision pays no step whose result a tool wrote.
 - Rows whose every loss term is exactly 0 are left out of the forward and backward passes (same
   loss and gradient, less compute); with --beta 0 (TRL's default) there is no reference model.
 

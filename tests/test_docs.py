@@ -144,6 +144,7 @@ DIFFERENT_HELP = {
     "micro_batch_size",  # gradients accumulate over a minibatch, or the whole batch
     "gradient_checkpointing",  # PPO's value model too
     "run_name",  # the default names the script
+    "tool",  # GRPO's tools while sampling; ppo_lm.py refuses it, and its help says why
 }
 
 

@@ -370,7 +370,17 @@ def char_batch(tok, texts: list[str], rewards: list[float]) -> grpo_lm.Batch:
     T = max(map(len, rows))
     ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])
     mask = grpo_lm.completion_mask(ids, tok.eos_token_id)
-    batch = grpo_lm.Batch(ids[:, :1], mask[:, :1].long(), ids, mask, [{}] * len(texts), texts)
+    batch = grpo_lm.Batch(
+        prompt_ids=ids[:, :1],
+        prompt_mask=mask[:, :1].long(),
+        completion_ids=ids,
+        completion_mask=mask,
+        sampled_mask=mask,  # no tool: the policy drew every token
+        sampler_log_probs=torch.zeros_like(mask),
+        examples=[{}] * len(texts),
+        completions=texts,
+        tool_calls=torch.zeros(len(texts), 2, dtype=torch.long),
+    )
     batch.rewards = torch.tensor(rewards)
     return batch
 
@@ -565,14 +575,17 @@ def test_dynamic_sampling_keeps_only_groups_with_different_rewards(tiny_model_di
 
 def test_merge_groups_repads_rows_of_different_rounds():
     def batch(prompts, completions, rewards):  # G = 2; 0 is the pad id
+        mask = (torch.tensor(completions) != 0).float()
         out = grpo_lm.Batch(
-            torch.tensor(prompts),
-            (torch.tensor(prompts) != 0).long(),
-            torch.tensor(completions),
-            (torch.tensor(completions) != 0).float(),
-            [{"r": r} for r in rewards],
-            [str(r) for r in rewards],
-            None,
+            prompt_ids=torch.tensor(prompts),
+            prompt_mask=(torch.tensor(prompts) != 0).long(),
+            completion_ids=torch.tensor(completions),
+            completion_mask=mask,
+            sampled_mask=mask * (torch.tensor(completions) != 9),  # a tool wrote the 9s
+            sampler_log_probs=-mask,
+            examples=[{"r": r} for r in rewards],
+            completions=[str(r) for r in rewards],
+            tool_calls=torch.tensor([[r, 0] for r in rewards]).long(),
         )
         out.rewards, out.correct, out.reward_fns = (
             torch.tensor(rewards),
@@ -595,6 +608,9 @@ def test_merge_groups_repads_rows_of_different_rounds():
         [3, 0, 0],
     ]  # completions right-padded
     assert out.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert out.sampled_mask.tolist() == [[1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert out.sampler_log_probs.tolist() == (-out.completion_mask).tolist()
+    assert out.tool_calls[:, 0].tolist() == [0, 1, 1, 0]
     assert out.rewards.tolist() == [0.0, 1.0, 1.0, 0.0] and out.verifiable is None
     assert out.reward_fns["f"].tolist() == [
         -0.0,

@@ -31,7 +31,17 @@ def synthetic_batch(tok, rng: torch.Generator, n: int = 32) -> grpo_lm.Batch:
     ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
     completion_ids = torch.tensor(ids)
     mask = grpo_lm.completion_mask(completion_ids, tok.eos_token_id)
-    batch = grpo_lm.Batch(prompt_ids, prompt_mask, completion_ids, mask, [{}] * n, texts)
+    batch = grpo_lm.Batch(
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        sampled_mask=mask,  # no tool: the policy drew every token
+        sampler_log_probs=torch.zeros_like(mask),
+        examples=[{}] * n,
+        completions=texts,
+        tool_calls=torch.zeros(n, 2, dtype=torch.long),
+    )
     batch.verifiable = first.float()
     batch.rewards = batch.verifiable + 5.0  # e.g. an overlong penalty's shift: never a label
     return batch
