@@ -920,11 +920,10 @@ class Tool:
     """--tool: ``function(call text) -> the text to inject, or None`` (:func:`calculator`, or
     yours), called when a row's text since its last tool output (``prefix``, --response-prefix,
     then ``tokenizer.decode``) ends with ``markers[1]`` after a ``markers[0]``, with the text
-    between. Its output's tokens
-    (``split_special_tokens``: it cannot write an EOS), cut to ``max_tokens``, join the row one a
-    decode step (:func:`common.decode`), the cache kept and nothing re-tokenised; a tool that
-    raises writes its error instead. ``start`` begins a decoding call; ``counts``: (rows, 2) long,
-    each row's calls and errors in it."""
+    between. Its output's tokens (``split_special_tokens``: it cannot write an EOS), cut to
+    ``max_tokens``, join the row one a decode step (:func:`common.decode`), the cache kept and
+    nothing re-tokenised; a tool that raises writes its error instead. ``start(rows, tokenizer)``
+    begins a decoding call; ``counts``: (rows, 2) long, each row's calls and errors in it."""
 
     def __init__(self, function, markers: tuple[str, str], max_tokens: int, prefix: str = ""):
         self.function = function
@@ -943,7 +942,7 @@ class Tool:
         """(n,) tokens of the ``going`` rows, ``token`` (the draws) or the tool's next ones, and
         the (n,) float mask of the draws kept."""
         tokens = token.tolist()
-        drawn = torch.ones(len(tokens), device=token.device)
+        drawn = [1.0] * len(tokens)
         opening, closing = self.markers
         for i, row in enumerate(going.tolist()):
             if self.queued[row]:  # the tool's output, one token a step
@@ -957,7 +956,7 @@ class Tool:
                 self.queued[row] = self.output(call, row)
                 self.since[row] = []
                 self.before[row] = ""
-        return torch.tensor(tokens, device=token.device), drawn
+        return torch.tensor(tokens, device=token.device), torch.tensor(drawn, device=token.device)
 
     def output(self, call: str, row: int) -> list[int]:
         """The token ids of the tool's text for ``call`` (or of its error)."""
