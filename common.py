@@ -600,7 +600,7 @@ class Completions(NamedTuple):
 
     ids: torch.Tensor  # (N, T) long: the tokens, pad after the EOS
     sampled: torch.Tensor  # (N, T) float: 1 where the policy drew the token (a tool's tokens: 0)
-    log_probs: torch.Tensor  # (N, T) float32: the draws' log softmax(logits / T) (0: not drawn)
+    log_probs: torch.Tensor  # (N, T) float32: the draws' log softmax(logits / temperature), else 0
     tool_calls: torch.Tensor  # (N, 2) long: each row's tool calls, and those that raised
 
 

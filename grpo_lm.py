@@ -234,7 +234,7 @@ class Batch:
 
     prompt_ids: torch.Tensor  # (N, P) each completion's prompt, left-padded
     prompt_mask: torch.Tensor  # (N, P) 1 for the prompt's tokens
-    completion_ids: torch.Tensor  # (N, T) the sampled tokens, padding after the first EOS
+    completion_ids: torch.Tensor  # (N, T) the tokens (drawn or a tool's), padding after the EOS
     completion_mask: torch.Tensor  # (N, T) float, 1 up to and including the first EOS
     # (N, T) float, 1 where the policy drew the token (inside completion_mask; 0: a tool wrote it)
     sampled_mask: torch.Tensor
@@ -919,8 +919,8 @@ def responses(batch: Batch, args: Args) -> list[str]:
 class Tool:
     """--tool: ``function(call text) -> the text to inject, or None`` (:func:`calculator`, or
     yours), called when a row's text since its last tool output (``prefix``, --response-prefix,
-    then ``tokenizer.decode``) ends with ``markers[1]`` after a ``markers[0]``, with the text
-    between. Its output's tokens (``split_special_tokens``: it cannot write an EOS), cut to
+    then ``tokenizer.decode``) ends with the first ``markers[1]`` after a ``markers[0]``, with the
+    text between. Its output's tokens (``split_special_tokens``: it cannot write an EOS), cut to
     ``max_tokens``, join the row one a decode step (:func:`common.decode`), the cache kept and
     nothing re-tokenised; a tool that raises writes its error instead. ``start(rows, tokenizer)``
     begins a decoding call; ``counts``: (rows, 2) long, each row's calls and errors in it."""
@@ -952,7 +952,8 @@ class Tool:
             self.since[row].append(tokens[i])
             text = self.before[row] + self.tokenizer.decode(self.since[row])
             _, opened, call = text.removesuffix(closing).rpartition(opening)
-            if opened and text.endswith(closing):  # a call: the text between the markers
+            closes = text.endswith(closing) and closing not in call  # its first closing marker
+            if opened and closes:  # a call: the text between the markers
                 self.queued[row] = self.output(call, row)
                 self.since[row] = []
                 self.before[row] = ""
@@ -963,7 +964,7 @@ class Tool:
         self.counts[row, 0] += 1
         try:
             text = self.function(call)
-        except Exception as e:  # noqa: BLE001 - its error is its output (tools/errors)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - its error is its output
             self.counts[row, 1] += 1
             text = f"{type(e).__name__}: {e}"
         if text is None:

@@ -96,15 +96,24 @@ def test_grpo_micro_batches_of_1_2_and_all_take_the_same_step(case, request, tmp
     model = request.getfixturevalue("tiny_model_dir")
     if "tool" in GRPO_CASES[case]:  # one that calls the tool in most rows
         model = request.getfixturevalue("tool_model_dir")
+    batches = []
+    sample_and_score = grpo_lm.sample_and_score
+
+    def spy(*args, **kwargs):
+        batches.append(sample_and_score(*args, **kwargs))
+        return batches[-1]
 
     def run(size):
         flags = ONE_STEP | GRPO_CASES[case] | dict(micro_batch_size=size, run_name=f"mb{size}")
         args = grpo_args(model, tmp_path, **flags)
         return first_update(monkeypatch, grpo_lm, args, digit_task())
 
+    monkeypatch.setattr(grpo_lm, "sample_and_score", spy)
     whole = run(16)
     for size in (1, 2):
         assert_same(whole, run(size))
+    written = batches[0].completion_mask - batches[0].sampled_mask  # a tool's tokens
+    assert (written.sum() > 0) == ("tool" in GRPO_CASES[case])
 
 
 def test_bnpo_is_dapo_with_one_micro_batch_and_depends_on_the_micro_batches(

@@ -91,6 +91,18 @@ def test_a_tools_tokens_go_in_between_the_draws_and_only_the_draws_are_sampled(t
         tiny_model_dir, lambda call: "3.", max_new_tokens=20, questions=("Q: #",), prefix="#"
     )
     assert texts[0] == "1+2=3.ok<eos>" and calls == ["1+2", "1+2"]
+    # one that the prefix opened and closed is not: "#1=3 +" then the drawn "2=" calls nothing
+    texts, sampled, calls, _ = scripted(
+        tiny_model_dir,
+        lambda call: "3.",
+        max_new_tokens=20,
+        questions=("Q: #1=3 +",),
+        prefix="#1=3 +",
+    )
+    assert texts[0] == "2=ok<eos>" and calls == []
+    # a tool's output is never read for a call: "3=" ends with the closing marker, one call a row
+    texts, sampled, calls, _ = scripted(tiny_model_dir, lambda call: "3=", max_new_tokens=20)
+    assert texts[0] == "#1+2=3=ok<eos>" and calls == ["1+2", "1+2"]
 
 
 @pytest.mark.parametrize(
