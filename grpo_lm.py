@@ -69,6 +69,8 @@ import common
 import tasks
 from common import UsageError, check
 
+Marker = Annotated[str, MinLen(1)]  # a --tool-markers text
+
 
 @dataclasses.dataclass
 @pydantic.with_config(allow_inf_nan=False)  # common.check_flags: no NaN or inf in any flag
@@ -171,7 +173,7 @@ class Args:
     tool: str | None = None
     # the texts that open and close a call: when a completion's text ends with the second, the tool
     # gets the text between them (since its last output)
-    tool_markers: tuple[Annotated[str, MinLen(1)], Annotated[str, MinLen(1)]] = ("<<", "=")
+    tool_markers: tuple[Marker, Marker] = ("<<", "=")
     # tokens of a tool's output at most (the rest cut); they count against --max-new-tokens
     max_tool_tokens: Annotated[int, Ge(1)] = 16
 
@@ -950,14 +952,16 @@ class Tool:
                 drawn[i] = 0.0
                 continue
             self.since[row].append(tokens[i])
-            text = self.before[row] + self.tokenizer.decode(self.since[row])
+            decoded = self.tokenizer.decode(self.since[row])
+            text = self.before[row] + decoded
             _, opened, call = text.removesuffix(closing).rpartition(opening)
             closes = text.endswith(closing) and closing not in call  # its first closing marker
             if opened and closes:  # a call: the text between the markers
                 self.queued[row] = self.output(call, row)
                 self.since[row] = []
                 self.before[row] = ""
-        return torch.tensor(tokens, device=token.device), torch.tensor(drawn, device=token.device)
+        device = token.device
+        return torch.tensor(tokens, device=device), torch.tensor(drawn, device=device)
 
     def output(self, call: str, row: int) -> list[int]:
         """The token ids of the tool's text for ``call`` (or of its error)."""
