@@ -989,12 +989,10 @@ def make_tool(args: Args) -> Tool | None:
 
 
 def calculator(call: str) -> str:
-    """--tool calculator: the value of the arithmetic ``call`` (``+ - * /``, parentheses, ``$``,
-    ``1,234``, ``×``; :func:`_arithmetic`'s parse, never ``eval``) and GSM8K's closing ``>>``:
-    ``"24>>"`` for ``"48/2"``, ``"0.333333>>"`` for ``"1/3"``. Raises SyntaxError, ValueError
-    (not arithmetic), ZeroDivisionError: the sampler writes the error instead."""
-    expression = call.replace("$", "").replace(",", "").replace("×", "*").strip()
-    value = _arithmetic(ast.parse(expression, mode="eval").body)
+    """--tool calculator: the value of the arithmetic ``call`` (:func:`arithmetic_value`, as process
+    supervision checks a step) and GSM8K's closing ``>>``: ``"24>>"`` for ``"48/2"``,
+    ``"0.333333>>"`` for ``"1/3"``. Raises as arithmetic_value: the sampler writes the error."""
+    value = arithmetic_value(call)
     if value.is_integer():
         return f"{int(value)}>>"
     return f"{value:.6g}>>"
@@ -1089,16 +1087,23 @@ _LHS = rf"(\(*\s*{_TERM}(?:\s*[-+*/×]\s*(?:\(+\s*)?{_TERM})+)"  # x op y (op z 
 _STEP = re.compile(rf"(?<![\d.]){_LHS}\s*=\s*(-?\s*\$?{tasks.DIGITS})")
 
 
+def arithmetic_value(text: str) -> float:
+    """The value of the arithmetic ``text``: numbers (``$``, ``1,234``), ``+ - * / ×``, parentheses
+    and unary minus, parsed by :func:`_arithmetic` (model text is never evaluated as code). Raises
+    SyntaxError, ValueError (not arithmetic), ZeroDivisionError, OverflowError, RecursionError."""
+    expression = text.replace("$", "").replace(",", "").replace("×", "*").strip()
+    return _arithmetic(ast.parse(expression, mode="eval").body)
+
+
 def arithmetic_step_rewards(completion: str, example=None) -> list[tuple[int, float]]:
     """Process supervision's step rewards: each equation ``x op y (op z ...) = w`` (``+ - * / ×``,
     parentheses, ``$``, ``1,234``, GSM8K's ``<<48/2=24>>``) as (end offset after its last digit,
     1.0 if right within a relative 1e-4 else 0.0)."""
     steps = []
     for match in _STEP.finditer(completion):
-        sides = (match.group(1), match.group(2).replace(" ", ""))
-        sides = [s.replace("$", "").replace(",", "").replace("×", "*").strip() for s in sides]
         try:
-            lhs, rhs = [_arithmetic(ast.parse(side, mode="eval").body) for side in sides]
+            lhs = arithmetic_value(match.group(1))
+            rhs = arithmetic_value(match.group(2).replace(" ", ""))
             right = math.isclose(lhs, rhs, rel_tol=1e-4, abs_tol=1e-9)
         except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError):
             right = False
