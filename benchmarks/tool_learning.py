@@ -197,8 +197,13 @@ def plot(paths: list[str], png: str) -> None:
     for ax, (key, ylabel) in zip(axes, panels.items(), strict=True):
         for side, colour in COLOURS.items():
             mine = [run for run in runs if run["side"] == side and run[key]]
+            if not mine:
+                continue
             for run in mine:
                 draw(ax, run[key], colour, alpha=0.35, lw=1)
+            if key == "frac_calling_tool":  # the training batches' share, every step
+                training = mean_curve(mine, "train_frac_calling")
+                draw(ax, training, colour, lw=1, ls="--", label=f"{side}: training answers")
             seeds = ", ".join(str(run["seed"]) for run in mine)
             wall = mean(mine, "wall_s") / 60
             label = f"{side}: seeds {seeds}, {wall:.1f} min"
@@ -206,6 +211,7 @@ def plot(paths: list[str], png: str) -> None:
         ax.set(xlabel="step", ylabel=ylabel, ylim=(0, 100))
         ax.grid(alpha=0.3)
     axes[0].legend(loc="upper left", fontsize=8)
+    axes[1].legend(loc="lower right", fontsize=8)
     axes[1].set_title("(logged with --tool only)", fontsize=8)
     commits = ", ".join(sorted({f["commit"] for f in files}))
     digits = files[0]["digits"]
