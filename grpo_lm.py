@@ -534,6 +534,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     data_name = Path(args.dataset or args.task).stem
     run_name = args.run_name or f"{data_name}__grpo__{args.seed}__{int(time.time())}"
     run_dir = common.make_run_dir(args.runs_dir, run_name, args.resume, args.eval_only)
+    files = {}  # each function file's globals, by path: a file several flags name runs once
     task = task or tasks.task_of(
         args.task,
         args.dataset,
@@ -544,8 +545,9 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         eval_size=args.eval_size,
         correct_fn=args.correct_fn,
         eval_dataset=args.eval_dataset,
+        files=files,
     )
-    tool = make_tool(args)  # --tool: the calculator or your function
+    tool = make_tool(args, files)  # --tool: the calculator or your function
     tokenizer = common.load_tokenizer(model_path)
     if not args.eval_only:  # the training questions whose prompts fit
         questions = tasks.training_questions(
@@ -977,14 +979,15 @@ class Tool:
         return encoded["input_ids"][: self.max_tokens]
 
 
-def make_tool(args: Args) -> Tool | None:
+def make_tool(args: Args, files: dict) -> Tool | None:
     """--tool's :class:`Tool` (None without it): :func:`calculator`, or your function run from its
-    file as --reward-fn's are. UsageError: a bad spec, file or function."""
+    file as --reward-fn's are (``files``: the globals of files already run, by path; filled).
+    UsageError: a bad spec, file or function."""
     if args.tool is None:
         return None
     function = calculator
     if args.tool != "calculator":
-        function = tasks.load_function(args.tool, "--tool", {})
+        function = tasks.load_function(args.tool, "--tool", files)
     return Tool(function, args.tool_markers, args.max_tool_tokens, args.response_prefix)
 
 

@@ -335,14 +335,16 @@ def task_of(
     eval_size,
     correct_fn=None,
     eval_dataset=None,
+    files=None,
 ):
     """The task --task ``name``, or the JSONL file --dataset, with ``eval_size`` questions held
     out, scored by the --reward-fn functions weighted by --reward-weights if given (``task``: the
     task's own). ``eval_dataset`` (--eval-dataset): a JSONL file whose first ``eval_size``
     questions are the held-out ones instead, none cut from the training data. ``correct_fn``
     (--correct-fn ``FILE.py:NAME``): what counts as right, for the held-out accuracy and
-    reward/accuracy (default: the task's own matcher). UsageError: a bad dataset or function file.
-    """
+    reward/accuracy (default: the task's own matcher). ``files``: the globals of the function files
+    run so far, by path, shared with the caller's other loaders (a file run once). UsageError: a bad
+    dataset or function file."""
     numeric = not reward_fn or "task" in reward_fn  # the built-in reward: numbers
     num_test = 0 if eval_dataset else eval_size  # --eval-dataset: the training data stays whole
     if dataset is not None:
@@ -351,7 +353,8 @@ def task_of(
         task = make_multistep_task(num_test)
     else:
         task = make_addition_task(num_test)
-    files = {}  # each function file's globals, by path: a file both flags name runs once
+    if files is None:
+        files = {}  # each function file's globals, by path: a file several flags name runs once
     if correct_fn:
         task.correct_fn = load_function(correct_fn, "--correct-fn", files)
     if eval_dataset:

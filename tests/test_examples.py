@@ -334,7 +334,7 @@ def test_countdown_runs_in_ppo(long_model_dir, tmp_path):
 
 def test_the_date_tool_counts_days_and_raises_on_anything_else():
     # as --tool loads it; what it raises, the sampler injects as the tool's output
-    days_between = grpo_lm.make_tool(grpo_lm.Args(tool=f"{DATE_TOOL}:days_between")).function
+    days_between = grpo_lm.make_tool(grpo_lm.Args(tool=f"{DATE_TOOL}:days_between"), {}).function
     assert days_between("2024-01-01 2024-03-01") == " = 60"  # 31 + 29 (a leap year)
     assert days_between(" 2023-03-01  2023-01-01 ") == " = -59"
     for call in ("2024-01-01", "2024-01-01 to 2024-03-01", "2024-02-30 2024-03-01"):

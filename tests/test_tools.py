@@ -130,7 +130,7 @@ def test_the_samplers_log_probs_equal_a_teacher_forced_forward(tool_model_dir):
     tok = make_tokenizer()
     questions = ("1+1?", "What is 2 + 3?", "7*8", "9")
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in questions]
-    tool = grpo_lm.make_tool(grpo_lm.Args(max_tool_tokens=3, **TOOL_FLAGS))
+    tool = grpo_lm.make_tool(grpo_lm.Args(max_tool_tokens=3, **TOOL_FLAGS), {})
     options = dict(temperature=0.7, top_p=1.0, max_new_tokens=16, bf16=False, seed_keys=(5,))
     out = common.generate_completions(model, prompts, 4, tok, tool=tool, **options)
     mask = grpo_lm.completion_mask(out.ids, tok.eos_token_id)
@@ -266,3 +266,30 @@ def test_the_calculator_parses_arithmetic_and_never_evaluates_code():
     ]:
         with pytest.raises(error):
             grpo_lm.calculator(call)
+
+
+def test_a_file_that_tool_and_reward_fn_both_name_runs_once(tmp_path, monkeypatch):
+    # as --correct-fn and --reward-fn share one run of a file: a module-level counter counts 1
+    (tmp_path / "both.py").write_text(
+        "import builtins\n"
+        "builtins.runs = getattr(builtins, 'runs', 0) + 1\n"
+        "def reward(completion, example):\n    return 0.0\n"
+        "def tool(call):\n    return None\n"
+    )
+    import builtins
+
+    monkeypatch.setattr(builtins, "runs", 0, raising=False)
+    args = grpo_lm.Args(reward_fn=[f"{tmp_path}/both.py:reward"], tool=f"{tmp_path}/both.py:tool")
+    files = {}
+    grpo_lm.tasks.task_of(
+        args.task,
+        None,
+        prompt_field="question",
+        answer_field="answer",
+        reward_fn=args.reward_fn,
+        reward_weights=[],
+        eval_size=4,
+        files=files,
+    )
+    grpo_lm.make_tool(args, files)
+    assert builtins.runs == 1
