@@ -2,6 +2,7 @@
 script's flags (each function takes the values it needs)."""
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -19,6 +20,7 @@ from unittest import mock
 import numpy as np
 import pydantic
 import torch
+import torch.utils.checkpoint
 import tyro
 from tqdm.auto import tqdm
 
@@ -522,15 +524,26 @@ def add_lora(model, rank: int, alpha: float | None, targets: tuple[str, ...]):
 
 
 class WithoutAdapter:
-    """--lora-rank's reference model: the policy called with its adapter disabled; no weights."""
+    """--lora-rank's reference model: the policy's decoder (``get_decoder()``) and LM head
+    (``get_output_embeddings()``), each called with the policy's adapter disabled; no weights. Any
+    other attribute is the wrapped module's."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, module=None):
         self.policy = policy
-        self.get_output_embeddings = policy.get_output_embeddings
+        self.module = policy if module is None else module
 
-    def __call__(self, **inputs):
+    def get_decoder(self):
+        return WithoutAdapter(self.policy, self.policy.get_decoder())
+
+    def get_output_embeddings(self):
+        return WithoutAdapter(self.policy, self.policy.get_output_embeddings())
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+    def __call__(self, *args, **kwargs):
         with self.policy.disable_adapter():
-            return self.policy(**inputs)
+            return self.module(*args, **kwargs)
 
 
 def trained_weights(policy) -> dict:
@@ -620,9 +633,10 @@ def generate_completions(
     tool=None,
 ) -> Completions:
     """``repeats`` completions of each prompt (contiguous, padded after the EOS) by :func:`decode`
-    from ``softmax(logits / temperature)`` within the ``top_p`` nucleus (``temperature`` 0:
-    greedy, log probs 0), under --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0:
-    all), ``tool`` (grpo_lm.Tool) called by the rows. Row j of prompt p draws from (``*seed_keys``,
+    (:func:`decode_static`, compiled, on CUDA without a tool) from ``softmax(logits /
+    temperature)`` within the ``top_p`` nucleus (``temperature`` 0: greedy, log probs 0), under
+    --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0: all), ``tool``
+    (grpo_lm.Tool) called by the rows. Row j of prompt p draws from (``*seed_keys``,
     (``first_index`` + p) * ``repeats`` + j): ``first_index`` is the place of ``prompts[0]`` among
     every process's prompts (:func:`row_uniforms`). UsageError: as :class:`DrawNextToken`."""
     eos = tokenizer.eos_token_id
@@ -644,18 +658,14 @@ def generate_completions(
         draw = DrawNextToken(temperature, top_p, uniforms)
         if tool is not None:
             tool.start(len(rows), tokenizer)
+        options = dict(max_new_tokens=max_new_tokens, eos=eos, pad=pad, pick=draw, repeats=repeats)
         with torch.no_grad(), bf16_autocast(policy.device, bf16):
-            out, drawn = decode(
-                policy,
-                prompt_ids,
-                att,
-                max_new_tokens=max_new_tokens,
-                eos=eos,
-                pad=pad,
-                pick=draw,
-                repeats=repeats,
-                tools=tool,
-            )
+            if tool is None and policy.device.type == "cuda":  # a compiled step, no host work
+                torch._dynamo.mark_static_address(draw.log_probs)  # the step writes into it
+                step = compiled_next_token()
+                out, drawn = decode_static(policy, prompt_ids, att, **options, step=step)
+            else:
+                out, drawn = decode(policy, prompt_ids, att, **options, tools=tool)
         T = out.shape[1]
         width = max(width, T)
         ids[ours, :T] = out.cpu()
@@ -716,12 +726,89 @@ def decode(
     return out[:, : position + 1], sampled[:, : position + 1]
 
 
+EOS_CHECK_EVERY = 8  # decode_static's steps between two looks (host syncs) for rows still going
+PROMPT_BUCKET = 64  # decode_static pads the prompts' width to a multiple of this
+
+
+def decode_static(
+    model, ids, att, *, max_new_tokens: int, eos: int, pad: int, pick, repeats: int = 1, step=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode`'s tokens and sampled mask from a static KV cache, the fast path on CUDA: every
+    row stays in a batch of fixed shape, finished rows writing ``pad``, so that one token's step
+    (``step``: :func:`next_token` or its compiled copy) runs without host work; the host looks for
+    rows still going every EOS_CHECK_EVERY steps. The prompts are prefilled once (eagerly) and
+    their keys and values copied to each repeat's row; the cache holds the prompt width, rounded
+    up to PROMPT_BUCKET, plus ``max_new_tokens``."""
+    n = len(ids) * repeats
+    bucket = -ids.shape[1] % PROMPT_BUCKET  # more left padding: a few cache shapes, a few compiles
+    ids = torch.nn.functional.pad(ids, (bucket, 0), value=pad)
+    att = torch.nn.functional.pad(att, (bucket, 0))
+    positions = (att.cumsum(1) - 1).clamp(min=0)
+    prefill = model(
+        input_ids=ids, attention_mask=att, position_ids=positions, use_cache=True, logits_to_keep=1
+    )
+    prompt_cache = prefill.past_key_values
+    prompt_cache.batch_repeat_interleave(repeats)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+    for index, layer in enumerate(prompt_cache.layers):  # the prompts' keys and values, each row's
+        cache.update(layer.keys, layer.values, index)
+    att = att.repeat_interleave(repeats, 0)
+    mask = torch.cat([att, att.new_ones(n, max_new_tokens)], 1)  # later keys: causally masked
+    position_ids = positions[:, -1:].repeat_interleave(repeats, 0)  # (n, 1)
+    rows = torch.arange(n, device=ids.device)
+    logits = prefill.logits[:, -1].float().repeat_interleave(repeats, 0)
+    token = pick(logits, rows, 0)
+    step = step or next_token
+    out = ids.new_full((n, max_new_tokens), pad)
+    sampled = torch.zeros(n, max_new_tokens, device=ids.device)
+    going = torch.ones(n, dtype=torch.bool, device=ids.device)
+    for position in range(max_new_tokens):  # of the token drawn, in the completion
+        token = torch.where(going, token, pad)
+        out[:, position] = token
+        sampled[:, position] = going.float()
+        going = going & (token != eos)
+        if position + 1 == max_new_tokens:
+            break
+        if position % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and not going.any():
+            break
+        position_ids = position_ids + 1
+        position_tensor = torch.tensor(position + 1, device=ids.device)  # no recompile a step
+        inputs = dict(token=token, position_ids=position_ids, mask=mask, cache=cache)
+        token = step(model, **inputs, pick=pick, rows=rows, position=position_tensor).clone()
+    width = int(sampled.any(0).sum())  # the longest row's: a row goes on from position 0
+    return out[:, :width], sampled[:, :width]
+
+
+@functools.cache
+def compiled_next_token():
+    """:func:`next_token` compiled once a process, replayed as CUDA graphs (``reduce-overhead``)."""
+    return torch.compile(next_token, mode="reduce-overhead")
+
+
+def next_token(model, *, token, position_ids, mask, cache, pick, rows, position) -> torch.Tensor:
+    """:func:`decode_static`'s one-token step: the (n,) ``token`` through ``model`` at
+    ``position_ids`` (n, 1) with the static ``cache`` and (n, cache length) ``mask``, then the next
+    (n,) tokens ``pick(logits, rows, position)`` draws."""
+    result = model(
+        input_ids=token[:, None],
+        attention_mask=mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits = result.logits[:, -1].float()
+    return pick(logits, rows, position)
+
+
 class DrawNextToken:
     """``pick`` for :func:`decode`: each row's token from ``softmax(logits / T)`` in the top-p
     nucleus by inverse CDF, with the uniform ``uniforms[row, position]`` ((rows, max new tokens), in
     [0, 1): :func:`row_uniforms`); ``log_probs`` (same shape) keeps each draw's log probability
     under ``softmax(logits / T)`` (the whole vocabulary's, as the trainer computes it). UsageError:
-    non-finite probabilities."""
+    non-finite probabilities (checked when run eagerly: a compiled step never waits on the host)."""
 
     def __init__(self, temperature: float, top_p: float, uniforms: torch.Tensor):
         from transformers import TopPLogitsWarper
@@ -742,7 +829,8 @@ class DrawNextToken:
         cdf = nucleus.exp().cumsum(-1)
         total = cdf[:, -1:]  # (n, 1): 1 up to rounding
         diverged = "non-finite next-token probabilities while sampling: the weights have diverged"
-        check(bool(torch.isfinite(total).all()), f"{diverged} (check --learning-rate)")
+        if not torch.compiler.is_compiling():  # a compiled step never waits on the host
+            check(bool(torch.isfinite(total).all()), f"{diverged} (check --learning-rate)")
         u = self.uniforms[going, position, None] * total  # (n, 1) in [0, total)
         index = torch.searchsorted(cdf, u, right=True)
         token = index.clamp(max=cdf.shape[1] - 1)[:, 0]
@@ -854,20 +942,49 @@ def bf16_active(device: torch.device, enabled: bool) -> bool:
     return cpu or cuda
 
 
-@contextlib.contextmanager
-def float32_lm_head(model):
-    """While active, ``model``'s LM head computes in float32 also under bf16 autocast: bf16 logits
-    floor every log prob (k3 KL ~1.5e-3 a token for a true 1e-5: benchmarks/bf16_numerics.py)."""
-    head = model.get_output_embeddings()
-    forward = head.forward
+LOGITS_CHUNK = 2**24  # float32 logits computed at once (64 MiB): a token's are V floats
 
-    def float32_forward(hidden):
-        hidden = hidden.float()
-        with torch.autocast(hidden.device.type, enabled=False):
-            return forward(hidden)
 
-    head.forward = float32_forward
-    try:
-        yield
-    finally:
-        del head.forward  # the class's forward again
+def lm_head_log_probs(head, hidden, ids, temperature: float, *, entropy_coef=None):
+    """(B, T) float32 ``log softmax(head(hidden) / temperature)`` of the tokens ``ids`` (B, T), from
+    the last hidden states ``hidden`` (B, T, H) before the LM ``head``; with ``entropy_coef`` also
+    the (B, T) entropy of that distribution, differentiable if it is not 0.
+
+    The head runs in float32 also under bf16 autocast: bf16 logits floor every log prob (k3 KL
+    ~1.5e-3 a token for a true 1e-5: benchmarks/bf16_numerics.py). It runs over chunks of tokens
+    of at most LOGITS_CHUNK logits; with more than one chunk and gradients on, each chunk keeps
+    only its hidden states for the backward and computes its logits again there
+    (``torch.utils.checkpoint``), so no (B, T, V) logits exist at once. The values and gradients
+    are those of one ``log_softmax`` over all the logits.
+    """
+    vocab = head.weight.shape[0]
+    size = max(1, LOGITS_CHUNK // vocab)  # tokens a chunk
+    hidden_chunks = hidden.flatten(0, 1).split(size)
+    id_chunks = ids.flatten().split(size)
+    recompute = torch.is_grad_enabled() and len(id_chunks) > 1
+
+    def chunk(chunk_hidden, chunk_ids):
+        with torch.autocast(hidden.device.type, enabled=False):  # no name keeps the logits
+            log_probs = (head(chunk_hidden.float()) / temperature).log_softmax(-1)  # (n, V)
+        sampled = log_probs.gather(1, chunk_ids[:, None])[:, 0]  # (n,)
+        if entropy_coef is None:
+            return (sampled,)
+        if not entropy_coef:  # logged only: no gradient
+            log_probs = log_probs.detach()
+        entropy = -(log_probs.exp() * log_probs).sum(-1)  # (n,)
+        return sampled, entropy
+
+    outputs = []
+    for chunk_hidden, chunk_ids in zip(hidden_chunks, id_chunks, strict=True):
+        if recompute:
+            output = torch.utils.checkpoint.checkpoint(
+                chunk, chunk_hidden, chunk_ids, use_reentrant=False
+            )
+        else:
+            output = chunk(chunk_hidden, chunk_ids)
+        outputs.append(output)
+    log_probs = torch.cat([output[0] for output in outputs]).view(ids.shape)
+    if entropy_coef is None:
+        return log_probs
+    entropy = torch.cat([output[1] for output in outputs]).view(ids.shape)
+    return log_probs, entropy

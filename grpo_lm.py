@@ -337,59 +337,40 @@ def token_log_probs(model, mb: MicroBatch, temperature, *, share_prompt=True, en
     their gradients) serve every completion that continues it: a whole-sequence pass's numbers, to
     float rounding, for 1/G of the prompt's compute (off under gradient checkpointing, which drops
     the cache). Position ids count real tokens only, as in generation; the LM head runs in float32
-    also under bf16 autocast (``common.float32_lm_head``)."""
+    also under bf16 autocast, a chunk of tokens at a time (``common.lm_head_log_probs``)."""
     P = mb.prompt_ids.shape[1]
     T = mb.completion_ids.shape[1]
     prompt_mask = mb.prompt_mask[mb.prompt_index]  # (b, P): each completion's prompt's
     mask = torch.cat([prompt_mask, mb.completion_mask], 1)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    with common.float32_lm_head(model):
-        if share_prompt:
-            prompt_positions = (mb.prompt_mask.cumsum(1) - 1).clamp(min=0)
-            prompt = dict(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask)
-            prefix = model(
-                **prompt, position_ids=prompt_positions, logits_to_keep=1, use_cache=True
+    decoder = model.get_decoder()  # the model without its LM head: hidden states (b, T, H)
+    if share_prompt:
+        prompt_positions = (mb.prompt_mask.cumsum(1) - 1).clamp(min=0)
+        prompt = dict(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask)
+        prefix = decoder(**prompt, position_ids=prompt_positions, use_cache=True)
+        # (b, 1, H): the last prompt token's, which predicts the first completion token
+        hidden = prefix.last_hidden_state[mb.prompt_index, -1:]
+        if T > 1:  # the prompts' keys and values, (U, ...) -> (b, ...), differentiable
+            cache = prefix.past_key_values
+            cache.batch_select_indices(mb.prompt_index)
+            inputs = mb.completion_ids[:, :-1]  # token t - 1 predicts token t
+            rest = decoder(
+                input_ids=inputs,
+                attention_mask=mask[:, :-1],
+                position_ids=positions[:, P:-1],
+                past_key_values=cache,
+                use_cache=True,
             )
-            logits = prefix.logits[mb.prompt_index]  # (b, 1, V): the first completion token's
-            if T > 1:  # the prompts' keys and values, (U, ...) -> (b, ...), differentiable
-                cache = prefix.past_key_values
-                cache.batch_select_indices(mb.prompt_index)
-                inputs = mb.completion_ids[:, :-1]  # token t - 1 predicts token t
-                rest = model(
-                    input_ids=inputs,
-                    attention_mask=mask[:, :-1],
-                    position_ids=positions[:, P:-1],
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                logits = torch.cat([logits, rest.logits], 1)
-        else:
-            prompt_ids = mb.prompt_ids[mb.prompt_index]
-            ids = torch.cat([prompt_ids, mb.completion_ids], 1)
-            whole = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=T + 1,
-            )
-            logits = whole.logits[:, :-1]  # position t predicts token t + 1
-    # a row at a time: 2.5 (b, T, V) copies at the peak, not 5 (all rows at once)
-    log_probs = []
-    entropies = []
-    rows = zip(logits.float().split(1), mb.completion_ids.split(1), strict=True)
-    for row_logits, row_ids in rows:
-        row_logp = (row_logits / temperature).log_softmax(-1)  # (1, T, V)
-        sampled = row_logp.gather(2, row_ids[..., None])[..., 0]  # (1, T)
-        log_probs.append(sampled)
-        if entropy_coef is not None:
-            if not entropy_coef:  # logged only: no gradient
-                row_logp = row_logp.detach()
-            entropy = -(row_logp.exp() * row_logp).sum(-1)  # (1, T)
-            entropies.append(entropy)
-    if entropy_coef is None:
-        return torch.cat(log_probs)
-    return torch.cat(log_probs), torch.cat(entropies)
+            hidden = torch.cat([hidden, rest.last_hidden_state], 1)
+    else:
+        prompt_ids = mb.prompt_ids[mb.prompt_index]
+        ids = torch.cat([prompt_ids, mb.completion_ids], 1)
+        whole = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        hidden = whole.last_hidden_state[:, P - 1 : -1]  # position t predicts token t + 1
+    head = model.get_output_embeddings()
+    return common.lm_head_log_probs(
+        head, hidden, mb.completion_ids, temperature, entropy_coef=entropy_coef
+    )
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

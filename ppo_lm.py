@@ -228,32 +228,19 @@ def token_log_probs(model, input_ids, attention_mask, width, *, temperature, ent
     T) left-padded ``input_ids`` (the completions); with ``entropy_coef`` also their (B, T) entropy,
     differentiable if it is not 0.
 
-    Logits exist for the completion positions only; position ids count real tokens only, as in
-    generation; the LM head and the log-softmax run in float32 also under bf16 autocast.
+    Position ids count real tokens only, as in generation; the LM head and the log-softmax run in
+    float32 also under bf16 autocast, a chunk of tokens at a time (``common.lm_head_log_probs``).
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    with common.float32_lm_head(model):
-        output = model(**inputs, logits_to_keep=width + 1, use_cache=False)
-    logits = output.logits[:, :-1]  # position j's logits give token j + 1
+    decoder = model.get_decoder()  # the model without its LM head: hidden states (B, P + T, H)
+    output = decoder(**inputs, use_cache=False)
+    hidden = output.last_hidden_state[:, -width - 1 : -1]  # position j's gives token j + 1
     completion_ids = input_ids[:, -width:]
-    # a row at a time: 2.5 (B, T, V) copies at the peak, not 5 (all rows at once)
-    log_probs = []
-    entropies = []
-    rows = zip(logits.float().split(1), completion_ids.split(1), strict=True)
-    for row_logits, row_ids in rows:
-        row_logp = (row_logits / temperature).log_softmax(-1)  # (1, T, V)
-        picked = row_logp.gather(2, row_ids[..., None])  # (1, T, 1): the sampled tokens'
-        log_probs.append(picked[..., 0])
-        if entropy_coef is not None:
-            if not entropy_coef:  # logged only: no gradient
-                row_logp = row_logp.detach()
-            row_probs = row_logp.exp()
-            row_entropy = -(row_probs * row_logp).sum(-1)
-            entropies.append(row_entropy)
-    if entropy_coef is None:
-        return torch.cat(log_probs)
-    return torch.cat(log_probs), torch.cat(entropies)
+    head = model.get_output_embeddings()
+    return common.lm_head_log_probs(
+        head, hidden, completion_ids, temperature, entropy_coef=entropy_coef
+    )
 
 
 def token_values(value_model, input_ids, attention_mask, width: int) -> torch.Tensor:

@@ -521,18 +521,14 @@ def test_log_probs_take_the_lm_head_in_float32_under_bf16_autocast(tiny_model_di
         logp = grpo_lm.token_log_probs(model, mb, 0.7, share_prompt=share)
         bf16 = model.lm_head(heads[-1][0])  # what the head would give under autocast on its own
     hook.remove()
-    assert len(heads) == (2 if share else 1) + 1 and bf16.dtype == torch.bfloat16
-    for hidden, logits in heads[:-1]:
-        assert logits.dtype == torch.float32
-        assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), model.lm_head.weight))
-    T = completions.shape[1]
-    if (
-        not share
-    ):  # the whole log prob, by hand: log_softmax(float32 logits / T) at the sampled tokens
-        hidden = heads[0][0][:, -T - 1 : -1] if heads[0][0].shape[1] > T else heads[0][0][:, :-1]
-        logits = torch.nn.functional.linear(hidden.float(), model.lm_head.weight) / 0.7
-        expected = logits.log_softmax(-1).gather(2, completions.unsqueeze(-1)).squeeze(-1)
-        torch.testing.assert_close(logp, expected, atol=1e-6, rtol=0)
+    # one head call over the (b * T, H) hidden states of the completion positions, then ours
+    assert len(heads) == 1 + 1 and bf16.dtype == torch.bfloat16
+    hidden, logits = heads[0]
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), model.lm_head.weight))
+    # the whole log prob, by hand: log_softmax(float32 logits / T) at the sampled tokens
+    by_hand = (logits / 0.7).log_softmax(-1).gather(1, completions.reshape(-1, 1))
+    torch.testing.assert_close(logp, by_hand.view(completions.shape), atol=1e-6, rtol=0)
 
 
 def test_masked_positions_never_reach_the_exponent():
