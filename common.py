@@ -2,7 +2,6 @@
 script's flags (each function takes the values it needs)."""
 
 import contextlib
-import functools
 import importlib.util
 import io
 import json
@@ -525,8 +524,8 @@ def add_lora(model, rank: int, alpha: float | None, targets: tuple[str, ...]):
 
 class WithoutAdapter:
     """--lora-rank's reference model: the policy's decoder (``get_decoder()``) and LM head
-    (``get_output_embeddings()``), each called with the policy's adapter disabled; no weights. Any
-    other attribute is the wrapped module's."""
+    (``get_output_embeddings()``, with its ``weight``), each called with the policy's adapter
+    disabled; no weights of its own."""
 
     def __init__(self, policy, module=None):
         self.policy = policy
@@ -538,8 +537,9 @@ class WithoutAdapter:
     def get_output_embeddings(self):
         return WithoutAdapter(self.policy, self.policy.get_output_embeddings())
 
-    def __getattr__(self, name: str):
-        return getattr(self.module, name)
+    @property
+    def weight(self):  # the LM head's, read by lm_head_log_probs
+        return self.module.weight
 
     def __call__(self, *args, **kwargs):
         with self.policy.disable_adapter():
@@ -633,10 +633,9 @@ def generate_completions(
     tool=None,
 ) -> Completions:
     """``repeats`` completions of each prompt (contiguous, padded after the EOS) by :func:`decode`
-    (:func:`decode_static`, compiled, on CUDA without a tool) from ``softmax(logits /
-    temperature)`` within the ``top_p`` nucleus (``temperature`` 0: greedy, log probs 0), under
-    --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0: all), ``tool``
-    (grpo_lm.Tool) called by the rows. Row j of prompt p draws from (``*seed_keys``,
+    from ``softmax(logits / temperature)`` within the ``top_p`` nucleus (``temperature`` 0:
+    greedy, log probs 0), under --bf16's autocast when ``bf16``, ``per_call`` prompts a call (0:
+    all), ``tool`` (grpo_lm.Tool) called by the rows. Row j of prompt p draws from (``*seed_keys``,
     (``first_index`` + p) * ``repeats`` + j): ``first_index`` is the place of ``prompts[0]`` among
     every process's prompts (:func:`row_uniforms`). UsageError: as :class:`DrawNextToken`."""
     eos = tokenizer.eos_token_id
@@ -658,14 +657,18 @@ def generate_completions(
         draw = DrawNextToken(temperature, top_p, uniforms)
         if tool is not None:
             tool.start(len(rows), tokenizer)
-        options = dict(max_new_tokens=max_new_tokens, eos=eos, pad=pad, pick=draw, repeats=repeats)
         with torch.no_grad(), bf16_autocast(policy.device, bf16):
-            if tool is None and policy.device.type == "cuda":  # a compiled step, no host work
-                torch._dynamo.mark_static_address(draw.log_probs)  # the step writes into it
-                step = compiled_next_token()
-                out, drawn = decode_static(policy, prompt_ids, att, **options, step=step)
-            else:
-                out, drawn = decode(policy, prompt_ids, att, **options, tools=tool)
+            out, drawn = decode(
+                policy,
+                prompt_ids,
+                att,
+                max_new_tokens=max_new_tokens,
+                eos=eos,
+                pad=pad,
+                pick=draw,
+                repeats=repeats,
+                tools=tool,
+            )
         T = out.shape[1]
         width = max(width, T)
         ids[ours, :T] = out.cpu()
@@ -733,12 +736,13 @@ PROMPT_BUCKET = 64  # decode_static pads the prompts' width to a multiple of thi
 def decode_static(
     model, ids, att, *, max_new_tokens: int, eos: int, pad: int, pick, repeats: int = 1, step=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode`'s tokens and sampled mask from a static KV cache, the fast path on CUDA: every
-    row stays in a batch of fixed shape, finished rows writing ``pad``, so that one token's step
-    (``step``: :func:`next_token` or its compiled copy) runs without host work; the host looks for
+    """:func:`decode`'s tokens and sampled mask from a static KV cache, the path to compile for a
+    GPU (not yet measured there: nothing calls it but the tests): every row stays in a batch of
+    fixed shape, finished rows writing ``pad``, so that one token's step (``step``:
+    :func:`next_token`, or a compiled copy of it) needs nothing from the host; the host looks for
     rows still going every EOS_CHECK_EVERY steps. The prompts are prefilled once (eagerly) and
-    their keys and values copied to each repeat's row; the cache holds the prompt width, rounded
-    up to PROMPT_BUCKET, plus ``max_new_tokens``."""
+    their keys and values copied to each repeat's row; the cache holds the prompt width, rounded up
+    to PROMPT_BUCKET, plus ``max_new_tokens``."""
     n = len(ids) * repeats
     bucket = -ids.shape[1] % PROMPT_BUCKET  # more left padding: a few cache shapes, a few compiles
     ids = torch.nn.functional.pad(ids, (bucket, 0), value=pad)
@@ -759,7 +763,9 @@ def decode_static(
     position_ids = positions[:, -1:].repeat_interleave(repeats, 0)  # (n, 1)
     rows = torch.arange(n, device=ids.device)
     logits = prefill.logits[:, -1].float().repeat_interleave(repeats, 0)
+    del prefill, prompt_cache  # the static cache holds the prompts' keys and values now
     token = pick(logits, rows, 0)
+    steps = torch.arange(max_new_tokens, device=ids.device)  # positions, indexed without a sync
     step = step or next_token
     out = ids.new_full((n, max_new_tokens), pad)
     sampled = torch.zeros(n, max_new_tokens, device=ids.device)
@@ -774,17 +780,10 @@ def decode_static(
         if position % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and not going.any():
             break
         position_ids = position_ids + 1
-        position_tensor = torch.tensor(position + 1, device=ids.device)  # no recompile a step
         inputs = dict(token=token, position_ids=position_ids, mask=mask, cache=cache)
-        token = step(model, **inputs, pick=pick, rows=rows, position=position_tensor).clone()
+        token = step(model, **inputs, pick=pick, rows=rows, position=steps[position + 1]).clone()
     width = int(sampled.any(0).sum())  # the longest row's: a row goes on from position 0
     return out[:, :width], sampled[:, :width]
-
-
-@functools.cache
-def compiled_next_token():
-    """:func:`next_token` compiled once a process, replayed as CUDA graphs (``reduce-overhead``)."""
-    return torch.compile(next_token, mode="reduce-overhead")
 
 
 def next_token(model, *, token, position_ids, mask, cache, pick, rows, position) -> torch.Tensor:

@@ -343,7 +343,7 @@ def token_log_probs(model, mb: MicroBatch, temperature, *, share_prompt=True, en
     prompt_mask = mb.prompt_mask[mb.prompt_index]  # (b, P): each completion's prompt's
     mask = torch.cat([prompt_mask, mb.completion_mask], 1)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    decoder = model.get_decoder()  # the model without its LM head: hidden states (b, T, H)
+    decoder = model.get_decoder()  # the model without its LM head: its last hidden states
     if share_prompt:
         prompt_positions = (mb.prompt_mask.cumsum(1) - 1).clamp(min=0)
         prompt = dict(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask)

@@ -129,3 +129,32 @@ def test_the_lora_reference_is_the_base_model_in_the_decoder_and_the_head(
         log_probs = script_log_probs(script, reference, batch)
     torch.testing.assert_close(log_probs, expected, atol=1e-5, rtol=0)
     assert (adapted - expected).abs().max() > 0.1  # the adapter moves the policy's
+
+
+@pytest.mark.parametrize("setting", ["bf16-autocast", "entropy-logged", "gradient-checkpointing"])
+def test_chunks_change_nothing_under_autocast_logged_entropy_and_checkpointing(
+    tiny_model_dir, setting, monkeypatch
+):
+    # chunked and recomputed against one chunk, under bf16 autocast (the body in bf16, the head in
+    # float32), with the entropy logged only (no gradient through it) and under HF's gradient
+    # checkpointing (the decoder's layers recomputed too; GRPO then runs whole sequences)
+    policy = common.load_policy(
+        str(tiny_model_dir), "cpu", None, setting == "gradient-checkpointing"
+    )
+    policy.train(setting == "gradient-checkpointing")
+    tok = common.load_tokenizer(str(tiny_model_dir))
+    batch = inputs(tok)
+    coef = 0.0 if setting == "entropy-logged" else 0.01
+    script = "grpo-whole" if setting == "gradient-checkpointing" else "grpo-shared-prompt"
+    results = []
+    for chunk in (common.LOGITS_CHUNK, 3 * policy.config.vocab_size):
+        monkeypatch.setattr(common, "LOGITS_CHUNK", chunk)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "bf16-autocast"):
+            log_probs, entropy = script_log_probs(script, policy, batch, entropy_coef=coef)
+        grads = gradients(policy, log_probs, entropy.detach() if not coef else entropy)
+        results.append((log_probs, entropy, grads))
+    (one_logp, one_entropy, one_grads), (logp, entropy, grads) = results
+    torch.testing.assert_close(logp, one_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, one_entropy, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grads, one_grads, atol=1e-5, rtol=1e-5)
+    assert entropy.requires_grad == bool(coef)  # logged only: no gradient through it
