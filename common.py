@@ -464,6 +464,7 @@ def load_policy(name_or_path: str, device, lora: tuple | None, checkpointing: bo
     """The policy; ``lora`` = (rank, alpha, targets): LoRA adapters; ``checkpointing``: activations
     recomputed (in train mode). On a CPU a tied embedding's gradient is sparse (its rows only)."""
     policy = load_model(name_or_path, device=device).eval()
+    check_logits_are_the_heads(policy)
     if lora:
         rank, alpha, targets = lora
         policy = add_lora(policy, rank, alpha, targets)
@@ -473,6 +474,20 @@ def load_policy(name_or_path: str, device, lora: tuple | None, checkpointing: bo
     tied = embedding.weight is policy.get_output_embeddings().weight
     embedding.sparse = tied and torch.device(device).type == "cpu"
     return policy
+
+
+def check_logits_are_the_heads(model) -> None:
+    """UsageError: ``model``'s logits are not its LM head's output on its decoder's last hidden
+    states (a soft-cap or a scale after the head, as Gemma 2's or Cohere's): the loss's log probs
+    come from the head (:func:`lm_head_log_probs`), the sampler's from the logits."""
+    ids = torch.arange(3, device=model.device)[None]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+        from_head = model.get_output_embeddings()(hidden)
+    same = torch.allclose(logits, from_head, rtol=1e-4, atol=1e-4)
+    after = "its logits are not its LM head's output (a soft-cap or a scale after the head)"
+    check(same, f"--model-name-or-path: {after}: not supported")
 
 
 def load_reference(policy, name_or_path: str, device, *, lora: bool, bf16_weights: bool):

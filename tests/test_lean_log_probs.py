@@ -158,3 +158,27 @@ def test_chunks_change_nothing_under_autocast_logged_entropy_and_checkpointing(
     torch.testing.assert_close(entropy, one_entropy, atol=1e-5, rtol=0)
     torch.testing.assert_close(grads, one_grads, atol=1e-5, rtol=1e-5)
     assert entropy.requires_grad == bool(coef)  # logged only: no gradient through it
+
+
+def test_a_model_whose_logits_are_not_its_heads_output_is_refused(tmp_path):
+    # Gemma 2 soft-caps its logits after the LM head (tanh(x / c) * c), which log probs read from
+    # the head's output would miss: one line, at load
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=0.1,  # small: this random model's logits are about 1
+    )
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "capped")
+    with pytest.raises(common.UsageError, match="its logits are not its LM head's output"):
+        common.load_policy(str(tmp_path / "capped"), "cpu", None, False)
+    config.final_logit_softcapping = None
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "plain")
+    common.load_policy(str(tmp_path / "plain"), "cpu", None, False)
