@@ -966,10 +966,11 @@ def lm_head_log_probs(head, hidden, ids, temperature: float, *, entropy_coef=Non
 
     The head runs in float32 also under bf16 autocast: bf16 logits floor every log prob (k3 KL
     ~1.5e-3 a token for a true 1e-5: benchmarks/bf16_numerics.py). It runs over chunks of tokens
-    of at most LOGITS_CHUNK logits; with more than one chunk and gradients on, each chunk keeps
-    only its hidden states for the backward and computes its logits again there
-    (``torch.utils.checkpoint``), so no (B, T, V) logits exist at once. The values and gradients
-    are those of one ``log_softmax`` over all the logits.
+    of at most LOGITS_CHUNK logits, so no more than one chunk's logits exist at once; with more
+    than one chunk and gradients on, each chunk keeps only its hidden states for the backward and
+    computes its logits again there (``torch.utils.checkpoint``), so the backward holds no (B, T,
+    V) log-softmax either. The values and gradients are those of one ``log_softmax`` over all the
+    logits.
     """
     vocab = head.weight.shape[0]
     size = max(1, LOGITS_CHUNK // vocab)  # tokens a chunk

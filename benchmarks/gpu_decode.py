@@ -38,9 +38,9 @@ QUESTIONS = [
 ]
 
 
-def sample(variant: str, model, prompts: tuple, a: argparse.Namespace, *, eos: int, pad: int):
-    """One sampling call of ``variant`` on ``prompts`` (ids, mask): (tokens, sampled mask,
-    seconds)."""
+def sample(variant: str, model, prompts: tuple, a: argparse.Namespace, *, step, eos: int, pad: int):
+    """One sampling call of ``variant`` on ``prompts`` (ids, mask): ``decode`` if ``step`` is None,
+    else ``decode_static`` with ``step``; (tokens, sampled mask, seconds)."""
     ids, att = prompts
     rows = range(len(ids) * a.group_size)
     uniforms = common.row_uniforms((a.seed,), rows, a.max_new_tokens).to(model.device)
@@ -53,17 +53,13 @@ def sample(variant: str, model, prompts: tuple, a: argparse.Namespace, *, eos: i
         torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad(), common.bf16_autocast(model.device, a.bf16):
-        if variant == "eager":
+        if step is None:
             tokens, sampled = common.decode(model, ids, att, **options)
         else:
-            step = STEPS[variant]
             tokens, sampled = common.decode_static(model, ids, att, **options, step=step)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     return tokens, sampled, time.perf_counter() - start
-
-
-STEPS = {"static": common.next_token}
 
 
 def main() -> None:
@@ -73,7 +69,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a from_pretrained directory")
     parser.add_argument("--tokenizer", help="its tokenizer's directory (default: --model)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--variants", nargs="+", default=["eager", "static", "compiled", "graphs"])
+    variants = ["eager", "static", "compiled", "graphs"]
+    parser.add_argument("--variants", nargs="+", choices=variants, default=variants)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -83,8 +80,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "gpu_decode.json"))
     a = parser.parse_args()
-    STEPS["compiled"] = torch.compile(common.next_token)
-    STEPS["graphs"] = torch.compile(common.next_token, mode="reduce-overhead")
+    steps = {  # decode_static's one-token step of each variant; "eager" is decode
+        "eager": None,
+        "static": common.next_token,
+        "compiled": torch.compile(common.next_token),
+        "graphs": torch.compile(common.next_token, mode="reduce-overhead"),
+    }
     from torch._dynamo.utils import counters
 
     device = torch.device(a.device)
@@ -104,7 +105,9 @@ def main() -> None:
         try:
             times = []
             for _ in range(a.repeats + 1):
-                tokens, sampled, seconds = sample(variant, model, (ids, att), a, eos=eos, pad=pad)
+                tokens, sampled, seconds = sample(
+                    variant, model, (ids, att), a, step=steps[variant], eos=eos, pad=pad
+                )
                 times.append(seconds)
         except Exception as e:  # a variant that fails is a finding, the others still run
             results[variant] = {"error": common.first_line(e)[:300]}
