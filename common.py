@@ -163,6 +163,8 @@ def check_flags(args_cls: type, flags: dict) -> None:
     if flags["eval_only"]:
         check(world_size() == 1, "--eval-only runs in one process")
         check(flags["eval_size"] > 0, "--eval-only needs --eval-size > 0")
+    sharded = "RANK" in os.environ and not flags["lora_rank"]  # under torchrun, without LoRA
+    check(not flags["fsdp"] or sharded, "--fsdp: run it under torchrun, without --lora-rank")
     targets = list(flags["lora_target_modules"])
     alone = targets == ["all-linear"] or "all-linear" not in targets
     check(alone, "--lora-target-modules: 'all-linear' goes alone")
@@ -341,10 +343,13 @@ class RunLog:
             self.writer.add_text("samples", "  \n".join(lines), step)
 
     def evaluate(self, step: int, due: bool, held_out) -> None:
-        """Rank 0, when ``due``: the held-out metrics ``held_out()``, logged and printed."""
-        if self.is_main and due:
-            metrics = held_out()
-            self(step, metrics)
+        """When ``due``: the held-out metrics ``held_out()`` (every process computes them: --fsdp's
+        sampling gathers the weights), logged and printed by rank 0."""
+        if not due:
+            return
+        metrics = held_out()
+        self(step, metrics)
+        if self.is_main:
             shown = [f"{key[5:]} {value:.3f}" for key, value in metrics.items()]  # eval/ dropped
             tqdm.write(f"step {step}: held-out {', '.join(shown)}")
 
@@ -573,23 +578,28 @@ def load_trained_weights(policy, weights: dict) -> None:
     """Load what :func:`trained_weights` kept, its keys exactly. UsageError: other keys."""
     keys = set(weights) ^ set(trained_weights(policy))  # those only one side has
     check(not keys, f"--resume: not this version's checkpoint ({min(keys, default='')})")
-    policy.load_state_dict(weights, strict=False)  # LoRA: the adapters alone
+    load_state(policy, weights, strict=False)  # LoRA: the adapters alone
 
 
-def save_pretrained(model, tokenizer, out_dir: Path) -> None:
+def save_pretrained(model, tokenizer, out_dir: Path, write: bool = True) -> None:
     """``model`` (LoRA merged in, in place: call it last) and ``tokenizer`` for ``from_pretrained``,
-    written then renamed (its weights are finite: the last checkpoint, saved first, refused any NaN
-    or inf). UsageError: a failed write."""
+    written (where ``write``: rank 0; --fsdp: every process calls it, to gather the weights) then
+    renamed (its weights are finite: the last checkpoint, saved first, refused any NaN or inf), and
+    says so. UsageError: a failed write."""
     if hasattr(model, "merge_and_unload"):  # LoRA
         model = model.merge_and_unload()
+    weights = full_tensors(model.state_dict(keep_vars=True))  # a tied weight: one object
+    if not write:
+        return
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out_dir, ignore_errors=True)  # a resumed run that ended again
         os.replace(tmp, out_dir)
     except OSError as e:
         raise UsageError(f"cannot write {out_dir}: {e.strerror}") from None
+    print(f"saved {out_dir} (from_pretrained loads it)")
 
 
 # ---- The sampler (both LM scripts' rollout): softmax(logits / T) within top-p, seeded per row ----
@@ -662,35 +672,36 @@ def generate_completions(
     log_probs = torch.zeros(n, max_new_tokens)
     tool_calls = torch.zeros(n, 2, dtype=torch.long)
     width = 1  # the longest row's
-    for i in range(0, len(prompts), per_call):
-        call_prompts = prompts[i : i + per_call]
-        ours = slice(i * repeats, (i + len(call_prompts)) * repeats)  # this call's rows
-        first_row = (first_index + i) * repeats  # its place among every process's rows
-        rows = range(first_row, first_row + len(call_prompts) * repeats)
-        uniforms = row_uniforms(seed_keys, rows, max_new_tokens).to(policy.device)
-        prompt_ids, att = pad_left(call_prompts, pad, policy.device)
-        draw = DrawNextToken(temperature, top_p, uniforms)
-        if tool is not None:
-            tool.start(len(rows), tokenizer)
-        with torch.no_grad(), bf16_autocast(policy.device, bf16):
-            out, drawn = decode(
-                policy,
-                prompt_ids,
-                att,
-                max_new_tokens=max_new_tokens,
-                eos=eos,
-                pad=pad,
-                pick=draw,
-                repeats=repeats,
-                tools=tool,
-            )
-        T = out.shape[1]
-        width = max(width, T)
-        ids[ours, :T] = out.cpu()
-        sampled[ours, :T] = drawn.cpu()
-        log_probs[ours, :T] = (draw.log_probs[:, :T] * drawn).cpu()
-        if tool is not None:
-            tool_calls[ours] = tool.counts
+    with gathered(policy):  # --fsdp: the whole weights while sampling
+        for i in range(0, len(prompts), per_call):
+            call_prompts = prompts[i : i + per_call]
+            ours = slice(i * repeats, (i + len(call_prompts)) * repeats)  # this call's rows
+            first_row = (first_index + i) * repeats  # its place among every process's rows
+            rows = range(first_row, first_row + len(call_prompts) * repeats)
+            uniforms = row_uniforms(seed_keys, rows, max_new_tokens).to(policy.device)
+            prompt_ids, att = pad_left(call_prompts, pad, policy.device)
+            draw = DrawNextToken(temperature, top_p, uniforms)
+            if tool is not None:
+                tool.start(len(rows), tokenizer)
+            with torch.no_grad(), bf16_autocast(policy.device, bf16):
+                out, drawn = decode(
+                    policy,
+                    prompt_ids,
+                    att,
+                    max_new_tokens=max_new_tokens,
+                    eos=eos,
+                    pad=pad,
+                    pick=draw,
+                    repeats=repeats,
+                    tools=tool,
+                )
+            T = out.shape[1]
+            width = max(width, T)
+            ids[ours, :T] = out.cpu()
+            sampled[ours, :T] = drawn.cpu()
+            log_probs[ours, :T] = (draw.log_probs[:, :T] * drawn).cpu()
+            if tool is not None:
+                tool_calls[ours] = tool.counts
     return Completions(ids[:, :width], sampled[:, :width], log_probs[:, :width], tool_calls)
 
 
@@ -742,79 +753,6 @@ def decode(
         x = token[:, None]
         att = torch.cat([att, att.new_ones(len(att), 1)], 1)
     return out[:, : position + 1], sampled[:, : position + 1]
-
-
-EOS_CHECK_EVERY = 8  # decode_static's steps between two looks (host syncs) for rows still going
-PROMPT_BUCKET = 64  # decode_static pads the prompts' width to a multiple of this
-
-
-def decode_static(
-    model, ids, att, *, max_new_tokens: int, eos: int, pad: int, pick, repeats: int = 1, step=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode`'s tokens and sampled mask from a static KV cache, the path to compile for a
-    GPU (not yet measured there: nothing calls it but the tests): every row stays in a batch of
-    fixed shape, finished rows writing ``pad``, so that one token's step (``step``:
-    :func:`next_token`, or a compiled copy of it) needs nothing from the host; the host looks for
-    rows still going every EOS_CHECK_EVERY steps. The prompts are prefilled once (eagerly) and
-    their keys and values copied to each repeat's row; the cache holds the prompt width, rounded up
-    to PROMPT_BUCKET, plus ``max_new_tokens``."""
-    n = len(ids) * repeats
-    bucket = -ids.shape[1] % PROMPT_BUCKET  # more left padding: a few cache shapes, a few compiles
-    ids = torch.nn.functional.pad(ids, (bucket, 0), value=pad)
-    att = torch.nn.functional.pad(att, (bucket, 0))
-    positions = (att.cumsum(1) - 1).clamp(min=0)
-    prefill = model(
-        input_ids=ids, attention_mask=att, position_ids=positions, use_cache=True, logits_to_keep=1
-    )
-    prompt_cache = prefill.past_key_values
-    prompt_cache.batch_repeat_interleave(repeats)
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
-    for index, layer in enumerate(prompt_cache.layers):  # the prompts' keys and values, each row's
-        cache.update(layer.keys, layer.values, index)
-    att = att.repeat_interleave(repeats, 0)
-    mask = torch.cat([att, att.new_ones(n, max_new_tokens)], 1)  # later keys: causally masked
-    position_ids = positions[:, -1:].repeat_interleave(repeats, 0)  # (n, 1)
-    rows = torch.arange(n, device=ids.device)
-    logits = prefill.logits[:, -1].float().repeat_interleave(repeats, 0)
-    del prefill, prompt_cache  # the static cache holds the prompts' keys and values now
-    token = pick(logits, rows, 0)
-    steps = torch.arange(max_new_tokens, device=ids.device)  # positions, indexed without a sync
-    step = step or next_token
-    out = ids.new_full((n, max_new_tokens), pad)
-    sampled = torch.zeros(n, max_new_tokens, device=ids.device)
-    going = torch.ones(n, dtype=torch.bool, device=ids.device)
-    for position in range(max_new_tokens):  # of the token drawn, in the completion
-        token = torch.where(going, token, pad)
-        out[:, position] = token
-        sampled[:, position] = going.float()
-        going = going & (token != eos)
-        if position + 1 == max_new_tokens:
-            break
-        if position % EOS_CHECK_EVERY == EOS_CHECK_EVERY - 1 and not going.any():
-            break
-        position_ids = position_ids + 1
-        inputs = dict(token=token, position_ids=position_ids, mask=mask, cache=cache)
-        token = step(model, **inputs, pick=pick, rows=rows, position=steps[position + 1]).clone()
-    width = int(sampled.any(0).sum())  # the longest row's: a row goes on from position 0
-    return out[:, :width], sampled[:, :width]
-
-
-def next_token(model, *, token, position_ids, mask, cache, pick, rows, position) -> torch.Tensor:
-    """:func:`decode_static`'s one-token step: the (n,) ``token`` through ``model`` at
-    ``position_ids`` (n, 1) with the static ``cache`` and (n, cache length) ``mask``, then the next
-    (n,) tokens ``pick(logits, rows, position)`` draws."""
-    result = model(
-        input_ids=token[:, None],
-        attention_mask=mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    logits = result.logits[:, -1].float()
-    return pick(logits, rows, position)
 
 
 class DrawNextToken:
@@ -934,6 +872,93 @@ def all_reduce_gradients(parameters) -> None:
     works = [torch.distributed.all_reduce(p.grad, async_op=True) for p in trained]
     for work in works:
         work.wait()
+
+
+def shard(model) -> None:
+    """--fsdp (FSDP2: ``torch.distributed.fsdp.fully_shard``, ZeRO-3): ``model``'s weights, and
+    so its gradients and AdamW states, split over the torchrun processes. Each decoder layer is
+    gathered for its forward and again for its backward; the rest (embedding, final norm, head)
+    from ``model.get_decoder()``, where the losses start (:func:`lm_head_log_probs` reads the head
+    apart from the model's forward), to the end of the backward. The gradients are summed over
+    the processes, as :func:`all_reduce_gradients` sums them (FSDP would divide by their number).
+    The layers are the modules of the classes transformers names in ``_no_split_modules``."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    layer_classes = model._no_split_modules or ()  # transformers' decoder layer classes
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    model.get_input_embeddings().sparse = False  # FSDP reduces dense gradients
+    for module in [*layers, model]:  # bottom-up: the layers, then the root (the rest)
+        fully_shard(module)
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM)
+    register_fsdp_forward_method(model, "get_decoder")  # gathers the root's weights
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """--fsdp: ``model``'s whole weights on every process while sampling, each layer gathered once
+    a call rather than once a layer a token (what a forward under FSDP does: trl#5575), and split
+    again after; every process enters it (a collective). Nothing without --fsdp. UsageError: the
+    whole weights do not fit in the device's free memory."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):  # without --fsdp: whole already
+        yield
+        return
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # a CPU's available RAM
+    if model.device.type == "cuda":  # a GPU's, once PyTorch's cached blocks are let go
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(model.device)[0]
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # on top of the shards
+    too_big = f"--fsdp: the policy's whole weights, {whole / 2**30:.1f} GiB, gathered to sample"
+    check(whole < free, f"{too_big}, exceed {model.device}'s free memory")
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for module in modules:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    yield
+    for module in modules:
+        module.set_reshard_after_forward(module is not model, recurse=False)  # the root: False
+        module.reshard()
+
+
+def full_tensors(state):
+    """``state`` (dicts and lists of tensors) with each --fsdp shard (a DTensor) gathered whole, on
+    the CPU, once for each object (a tied weight's keys share one); every process calls it (a
+    collective). Without --fsdp: ``state`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    wholes = {}  # by object: each key is gathered (every process alike), a tied weight's kept once
+
+    def whole(t):
+        return wholes.setdefault(id(t), t.full_tensor().detach().cpu())
+
+    return torch.utils._pytree.tree_map_only(DTensor, whole, state)
+
+
+def load_state(module, state: dict, strict: bool = True) -> None:
+    """``module.load_state_dict(state)``; under --fsdp by torch.distributed.checkpoint, which
+    splits each whole tensor as ``module``'s."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):  # (LoRA's peft model is never sharded)
+        module.load_state_dict(state, strict=strict)
+        return
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, state, options=options)
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)`` (whole tensors), each moment split as its parameter
+    under --fsdp, this process keeping its shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    optimizer.load_state_dict(state)
+    for param, moments in optimizer.state.items():
+        for key, value in moments.items():
+            if isinstance(param, DTensor) and value.shape == param.shape:  # not the step count
+                moments[key] = distribute_tensor(value, param.device_mesh, param.placements)
 
 
 def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:

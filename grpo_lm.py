@@ -226,6 +226,10 @@ class Args:
     bf16: bool = True
     # recompute the policy's activations in the backward pass: less memory, ~30% slower
     gradient_checkpointing: bool = False
+    # under torchrun: the policy, the reference (and PPO's value model) sharded over the processes
+    # (FSDP2, ZeRO-3; the policy whole while sampling), not one copy each; not with --lora-rank
+    # (docs/scale.md)
+    fsdp: bool = False
 
 
 @dataclasses.dataclass
@@ -570,12 +574,16 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     policy = common.load_policy(model_path, device, lora, args.gradient_checkpointing)
     if args.eval_only:  # no training: the held-out accuracy of --resume's policy or of the model
         return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
+    if args.fsdp:  # FSDP2: each process keeps its shard of the weights
+        common.shard(policy)
     reference = None
     if args.beta > 0:  # bf16 weights where the reference never resets (--iterations 1)
-        bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16)
+        bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16) and not args.fsdp
         reference = common.load_reference(
             policy, model_path, device, lora=lora is not None, bf16_weights=bf16
         )
+        if args.fsdp:  # in float32 (FSDP gathers one dtype a layer)
+            common.shard(reference)
     reward_model = make_reward_model(args, tokenizer, device)
     rm_training = None
     if args.train_reward_model:  # §4.1.4: r_phi trained continually (Algorithm 1, line 12)
@@ -619,13 +627,14 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
     N = B * G  # outputs of this process
     num_outputs = args.prompts_per_step * G  # outputs of every process: eq. 3's sum
     steps_per_iteration = args.total_steps // args.iterations
-    # each prompt through the model once per micro-batch (gradient checkpointing drops the cache)
-    share_prompt = not args.gradient_checkpointing
+    # each prompt through the model once per micro-batch (gradient checkpointing drops the cache;
+    # --fsdp needs every process to call the model alike: one-token outputs skip the second call)
+    share_prompt = not (args.gradient_checkpointing or args.fsdp)
     # leave out rows that add exactly 0 to the loss and its gradient (no token in it, or, with no
-    # KL or entropy term, A = 0); not under bnpo, whose per-micro-batch mean counts them
+    # KL or entropy term, A = 0); not under bnpo (its micro-batch mean counts them), nor --fsdp
     other_terms = args.beta > 0 or args.entropy_coef > 0
     zero_rows = args.mask_truncated_completions or not other_terms  # no token, or A = 0 alone
-    skip_rows = zero_rows and args.loss_type != "bnpo"  # bnpo's micro-batch mean counts every row
+    skip_rows = zero_rows and args.loss_type != "bnpo" and not args.fsdp
 
     # Algorithm 1, line 1: policy model pi_theta <- pi_theta_init (loaded above)
     for iteration in range(start_step // steps_per_iteration, args.iterations):  # line 2
@@ -751,7 +760,7 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                         stats |= sampler_agreement(logp.detach(), sampler_logp, mask)
                     loss_stats.append(stats)
                 policy.eval()
-                if world > 1:  # torchrun: the gradients summed over processes, as DDP does
+                if world > 1 and not args.fsdp:  # torchrun: summed over processes, as DDP
                     common.all_reduce_gradients(policy.parameters())
                 grad_norm = common.clip_gradients_or_stop(trained, args.max_grad_norm, step)
                 optimizer.step()
@@ -782,9 +791,8 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
                 rm_training=rm_training,
             )
     log.close()
-    if rank == 0 and args.total_steps > start_step:
-        common.save_pretrained(policy, tokenizer, run_dir / "final_model")
-        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
+    if args.total_steps > start_step:  # --fsdp: every process gathers the weights, rank 0 writes
+        common.save_pretrained(policy, tokenizer, run_dir / "final_model", write=rank == 0)
     common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
     return log.history
 
@@ -1218,7 +1226,8 @@ def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, step: int) -> B
     sample new questions (rounds 1, 2, ...) until B such groups are found or --max-sampling-rounds
     is reached; dropped groups top the batch up (advantage 0 unless --overlong-buffer's penalty,
     added afterwards, separates them; they still carry the KL term). Under torchrun each process
-    fills its own B groups. The ``sampling/*`` scalars go to ``batch.scalars``."""
+    fills its own B groups, and all sample as many rounds (until each has its B: --fsdp calls the
+    model alike on every process). The ``sampling/*`` scalars go to ``batch.scalars``."""
     G = args.group_size
     B = len(batch.rewards) // G
     rounds = []
@@ -1231,19 +1240,17 @@ def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, step: int) -> B
         grouped = rounds[r].rewards.view(-1, G)
         varied = grouped.max(1).values > grouped.min(1).values
         chosen += [(r, g) for g in range(B) if varied[g]]
-        if len(chosen) >= B:
+        varied_here = torch.tensor(min(len(chosen), B))
+        varied_groups = common.all_reduce(varied_here).item()  # every process's
+        if varied_groups == args.prompts_per_step:  # each has its B: all sample alike (--fsdp)
             break
     everyone = [(r, g) for r in range(len(rounds)) for g in range(B)]
     dropped = [group for group in everyone if group not in chosen]
     pad = sampler.tokenizer.pad_token_id
     kept = (chosen + dropped)[:B]
     merged = merge_groups(rounds, kept, G, pad)
-    rounds_here = torch.tensor(len(rounds))
-    rounds_used = common.all_reduce(rounds_here, "max").item()
-    varied_here = torch.tensor(min(len(chosen), B))
-    varied = common.all_reduce(varied_here).item()
-    merged.scalars["sampling/rounds"] = rounds_used
-    merged.scalars["sampling/frac_groups_varied"] = varied / args.prompts_per_step
+    merged.scalars["sampling/rounds"] = len(rounds)  # every process's
+    merged.scalars["sampling/frac_groups_varied"] = varied_groups / args.prompts_per_step
     return merged
 
 
@@ -1440,9 +1447,9 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, *, reference
     if checkpoint is None:
         return 0
     common.load_trained_weights(policy, checkpoint["policy"])  # the same model: the weights fit
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    common.load_optimizer_state(optimizer, checkpoint["optimizer"])
     if reference is not None and checkpoint["reference"] is not None:  # reset (--iterations > 1)
-        reference.load_state_dict(checkpoint["reference"])
+        common.load_state(reference, checkpoint["reference"])
     optimizer.param_groups[0].update(lr=args.learning_rate, weight_decay=args.weight_decay)
     if rm_training:
         rm_training.state(checkpoint)
@@ -1517,11 +1524,11 @@ def step_metrics(args: Args, batch: Batch, rewards, loss_stats: list, *, grad_no
 
 
 def save_checkpoint(log, step: int, args: Args, policy, *, optimizer, reference, rm_training):
-    """Every --save-every steps and at the end (rank 0), atomically, what an exact resume needs: the
-    reference when --iterations > 1 resets it (else --model-name-or-path's, loaded again) and the
-    reward model with its samples."""
+    """Every --save-every steps and at the end, atomically (rank 0; --fsdp: every process gathers
+    the shards), what an exact resume needs: the reference when --iterations > 1 resets it (else
+    --model-name-or-path's, loaded again) and the reward model with its samples."""
     periodic = args.save_every > 0 and step % args.save_every == 0
-    if not log.is_main or not (periodic or step == args.total_steps):
+    if not (periodic or step == args.total_steps):
         return
     reference_state = None
     if args.iterations > 1 and reference is not None:
@@ -1533,7 +1540,9 @@ def save_checkpoint(log, step: int, args: Args, policy, *, optimizer, reference,
     if rm_training:
         state |= rm_training.state()
     state["rng"] = common.rng_state()
-    common.atomic_save(state, log.checkpoint)
+    state = common.full_tensors(state)
+    if log.is_main:
+        common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch, G: int) -> list[str]:

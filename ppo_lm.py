@@ -193,6 +193,10 @@ class Args:
     # recompute the policy's and the value model's activations in the backward pass: less memory,
     # ~30% slower
     gradient_checkpointing: bool = False
+    # under torchrun: the policy, the reference (and PPO's value model) sharded over the processes
+    # (FSDP2, ZeRO-3; the policy whole while sampling), not one copy each; not with --lora-rank
+    # (docs/scale.md)
+    fsdp: bool = False
 
 
 @dataclasses.dataclass
@@ -253,7 +257,8 @@ def token_values(value_model, input_ids, attention_mask, width: int) -> torch.Te
     """
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-    output = value_model.base_model(**inputs, use_cache=False)
+    decoder = value_model.get_decoder()  # the backbone: hidden states (B, P + T, H)
+    output = decoder(**inputs, use_cache=False)
     hidden = output.last_hidden_state
     states = hidden[:, -width - 1 : -1]  # s_t: positions P - 1 .. P + T - 2
     values = value_model.score(states)  # (B, T, 1)
@@ -480,11 +485,15 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
     reference = None
     if args.beta > 0:  # read under bf16 autocast alone: bf16 Linear weights
-        bf16 = common.bf16_active(device, args.bf16)
+        bf16 = common.bf16_active(device, args.bf16) and not args.fsdp
         reference = common.load_reference(
             policy, model_path, device, lora=lora is not None, bf16_weights=bf16
         )
     reward_model, value_model = load_reward_and_value_models(args, tokenizer, device)
+    if args.fsdp:  # FSDP2: each process keeps its shard of the weights
+        for model in (policy, reference, value_model):
+            if model is not None:
+                common.shard(model)
     policy_params = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters
     value_params = list(value_model.parameters())
     value_lr = args.value_learning_rate or args.learning_rate
@@ -621,7 +630,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
                     loss_stats.append(stats)
                 policy.eval()
                 value_model.eval()
-                if world > 1:  # torchrun: the gradients summed over processes, as DDP does
+                if world > 1 and not args.fsdp:  # torchrun: summed over processes, as DDP
                     common.all_reduce_gradients(policy_params + value_params)
                 # each model's gradient norm clipped on its own (a non-finite norm stops the run)
                 policy_norm = common.clip_gradients_or_stop(policy_params, args.max_grad_norm, step)
@@ -667,9 +676,8 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
             log, done, args, policy, value_model=value_model, optimizer=optimizer, beta=beta
         )
     log.close()
-    if rank == 0 and args.total_steps > start_step:
-        common.save_pretrained(policy, tokenizer, run_dir / "final_model")
-        print(f"saved {log.checkpoint} and {run_dir / 'final_model'} (from_pretrained loads it)")
+    if args.total_steps > start_step:  # --fsdp: every process gathers the weights, rank 0 writes
+        common.save_pretrained(policy, tokenizer, run_dir / "final_model", write=rank == 0)
     common.cleanup_distributed()  # the other processes wait until rank 0 has written everything
     return log.history
 
@@ -899,8 +907,8 @@ def restore(checkpoint: dict | None, args: Args, policy, optimizer, *, value_mod
     if checkpoint is None:
         return 0, args.beta
     common.load_trained_weights(policy, checkpoint["policy"])  # the same models: the weights fit
-    value_model.load_state_dict(checkpoint["value_model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    common.load_state(value_model, checkpoint["value_model"])
+    common.load_optimizer_state(optimizer, checkpoint["optimizer"])
     value_lr = args.value_learning_rate or args.learning_rate
     learning_rates = (args.learning_rate, value_lr)
     for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
@@ -991,12 +999,12 @@ def value_metrics(values: torch.Tensor, returns: torch.Tensor, valid: torch.Tens
 
 
 def save_checkpoint(log, step: int, args: Args, policy, *, value_model, optimizer, beta) -> None:
-    """Every --save-every steps and at the end (rank 0), atomically: what resume needs to continue
-    exactly (the next step's beta included; not the reference, which resume loads from
-    --model-name-or-path, which cannot change)."""
+    """Every --save-every steps and at the end, atomically (rank 0; --fsdp: every process gathers
+    the shards): what resume needs to continue exactly (the next step's beta included; not the
+    reference, which resume loads from --model-name-or-path, which cannot change)."""
     periodic = args.save_every and step % args.save_every == 0
     due = periodic or step == args.total_steps
-    if not (log.is_main and due):
+    if not due:
         return
     state = {"script": SCRIPT, "step": step, "args": dataclasses.asdict(args)}
     state["kl_coef"] = beta  # the next step's
@@ -1004,7 +1012,9 @@ def save_checkpoint(log, step: int, args: Args, policy, *, value_model, optimize
     state["value_model"] = value_model.state_dict()
     state["optimizer"] = optimizer.state_dict()
     state["rng"] = common.rng_state()
-    common.atomic_save(state, log.checkpoint)
+    state = common.full_tensors(state)
+    if log.is_main:
+        common.atomic_save(state, log.checkpoint)
 
 
 def sample_lines(batch: Batch) -> list[str]:

@@ -1,9 +1,9 @@
 """The sampler on a GPU (issue 50, goals 1 and 5): generated tokens a second of ``common.decode``
-(the eager loop, finished rows leaving the batch) against ``common.decode_static`` (a static KV
-cache, every row kept) with its one-token step run eagerly, compiled by inductor, and compiled with
-CUDA graphs (``reduce-overhead``); each variant's tokens against ``decode``'s from the same
-uniforms, its first call (compilation included) apart from the best of ``--repeats``, and dynamo's
-counters (recompiles, CUDA graph skips).
+(the eager loop, finished rows leaving the batch) against ``decode_static`` (benchmarks/
+static_decode.py: a static KV cache, every row kept) with its one-token step run eagerly, compiled
+by inductor, and compiled with CUDA graphs (``reduce-overhead``); each variant's tokens against
+``decode``'s from the same uniforms, its first call (compilation included) apart from the best of
+``--repeats``, and dynamo's counters (recompiles, CUDA graph skips).
 
     python benchmarks/gpu_shape.py model --tokenizer DIR --out /tmp/qwen05   # the 0.5B shape
     python benchmarks/gpu_decode.py --model /tmp/qwen05                      # on the GPU
@@ -27,6 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import static_decode  # noqa: E402
 
 import common  # noqa: E402
 
@@ -56,7 +58,7 @@ def sample(variant: str, model, prompts: tuple, a: argparse.Namespace, *, step, 
         if step is None:
             tokens, sampled = common.decode(model, ids, att, **options)
         else:
-            tokens, sampled = common.decode_static(model, ids, att, **options, step=step)
+            tokens, sampled = static_decode.decode_static(model, ids, att, **options, step=step)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     return tokens, sampled, time.perf_counter() - start
@@ -82,9 +84,9 @@ def main() -> None:
     a = parser.parse_args()
     steps = {  # decode_static's one-token step of each variant; "eager" is decode
         "eager": None,
-        "static": common.next_token,
-        "compiled": torch.compile(common.next_token),
-        "graphs": torch.compile(common.next_token, mode="reduce-overhead"),
+        "static": static_decode.next_token,
+        "compiled": torch.compile(static_decode.next_token),
+        "graphs": torch.compile(static_decode.next_token, mode="reduce-overhead"),
     }
     from torch._dynamo.utils import counters
 

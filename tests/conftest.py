@@ -44,8 +44,10 @@ def make_tiny_model(
     init_std: float = 0.02,
     *,
     positions: int = 256,
+    tied: bool = True,
 ) -> Path:
-    """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path``.
+    """Save a 2-layer Llama (hidden size 32) with the character tokenizer to ``path`` (``tied``:
+    the LM head is the embedding).
 
     ``init_std``: the weights' initial std (transformers' default 0.02 gives this tiny model logits
     within about +-0.6, a scale that only its embeddings and norms can grow; LoRA, which leaves them
@@ -66,7 +68,7 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         num_labels=1,
         initializer_range=init_std,
     )

@@ -259,6 +259,7 @@ SHARED = [  # (argv, text the error line must contain, stage), for both scripts
         CHEAP,
     ),
     (["--lora-rank", "-1"], "--lora-rank: must be greater than or equal to 0", CHEAP),
+    (["--fsdp"], "--fsdp: run it under torchrun, without --lora-rank", CHEAP),
     (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha: must be greater than 0", CHEAP),
     (
         ["--lora-rank", "4", "--lora-target-modules", "no_such_proj"],

@@ -299,9 +299,11 @@ def test_run_log_history_samples_and_evaluations(tmp_path, capsys):
     options = dict(start_step=0, resumed=False, name="test", postfix={})
     other = common.RunLog(tmp_path / "rank1", {}, rank=1, **options)  # rank 1: no files
     other(1, {"loss": 3.0})
-    other.evaluate(1, True, lambda: 1 / 0)  # rank 0 evaluates
+    capsys.readouterr()
+    other.evaluate(1, True, lambda: {"eval/accuracy": 0.5})  # every rank evaluates (--fsdp)
     other.close()
-    assert other.history == {"loss": [3.0]} and not (tmp_path / "rank1").exists()
+    assert other.history == {"loss": [3.0], "eval/accuracy": [0.5]}
+    assert not (tmp_path / "rank1").exists() and "held-out" not in capsys.readouterr().out
 
 
 @dataclass

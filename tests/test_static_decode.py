@@ -1,15 +1,20 @@
-"""Issue 50, goals 1 and 4: ``common.decode_static`` (a static KV cache, every row kept, the
+"""Issue 50, goals 1 and 4: ``static_decode.decode_static`` (a static KV cache, every row kept, the
 one-token step compilable) draws what ``common.decode`` (the eager sampler, finished rows leaving)
 draws, run eagerly on the CPU: greedy and seeded sampling, prompts of different lengths, the budget
 and the EOS edges. Tools keep the eager path (tests/test_tools.py)."""
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
+from conftest import ROOT
 
 import common
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import static_decode  # noqa: E402  benchmarks/static_decode.py
 
 PROMPTS = ["What is 12 + 30?", "1+1=", "a", "What is the sum of 2, 3 and 4?"]
 
@@ -31,9 +36,9 @@ def both(model, tok, *, temperature, top_p, repeats, max_new_tokens, prompts=PRO
         repeats=repeats,
     )
     out = []
-    for decode in (common.decode, common.decode_static):
+    for decode in (common.decode, static_decode.decode_static):
         draw = common.DrawNextToken(temperature, top_p, uniforms)
-        extra = {"step": step} if step and decode is common.decode_static else {}
+        extra = {"step": step} if step and decode is static_decode.decode_static else {}
         with torch.no_grad():
             tokens, sampled = decode(model, ids, att, **options, pick=draw, **extra)
         out.append((tokens, sampled, draw.log_probs[:, : tokens.shape[1]] * sampled))
@@ -74,7 +79,7 @@ def test_the_static_cache_draws_what_the_eager_sampler_draws(tiny_model_dir, eos
 def test_the_static_cache_stops_where_the_last_row_ends(eos_model, check_every, monkeypatch):
     # every row ends before the budget: the output is as wide as the longest row, however often the
     # host looks for rows still going; budgets of 1 and of the longest row
-    monkeypatch.setattr(common, "EOS_CHECK_EVERY", check_every)
+    monkeypatch.setattr(static_decode, "EOS_CHECK_EVERY", check_every)
     model, tok = eos_model
     for max_new_tokens in (1, 5, 60):
         (eager, eager_mask, _), (static, static_mask, _) = both(
@@ -97,7 +102,7 @@ def test_the_compiled_step_draws_what_the_eager_step_draws(tiny_model_dir):
 
     device = "cuda" if cuda else "cpu"
     mode = "reduce-overhead" if cuda else None
-    compiled = torch.compile(common.next_token, mode=mode)
+    compiled = torch.compile(static_decode.next_token, mode=mode)
     model = common.load_model(str(tiny_model_dir), device=device).eval()
     tok = common.load_tokenizer(str(tiny_model_dir))
     counters.clear()
