@@ -881,14 +881,18 @@ def shard(model) -> None:
     from ``model.get_decoder()``, where the losses start (:func:`lm_head_log_probs` reads the head
     apart from the model's forward), to the end of the backward. The gradients are summed over
     the processes, as :func:`all_reduce_gradients` sums them (FSDP would divide by their number).
-    The layers are the modules of the classes transformers names in ``_no_split_modules``."""
+    The layers are the modules of the classes transformers names in ``_no_split_modules`` (a model
+    without them is one unit, the root). The processes' mesh is on ``model``'s device type (--device
+    cpu: gloo on the CPU, also beside a GPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     layer_classes = model._no_split_modules or ()  # transformers' decoder layer classes
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     model.get_input_embeddings().sparse = False  # FSDP reduces dense gradients
-    for module in [*layers, model]:  # bottom-up: the layers, then the root (the rest)
-        fully_shard(module)
+    mesh = init_device_mesh(model.device.type, (world_size(),))
+    for module in [*reversed(layers), model]:  # bottom-up: the layers, then the root (the rest)
+        fully_shard(module, mesh=mesh)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no PREMUL_SUM)
     register_fsdp_forward_method(model, "get_decoder")  # gathers the root's weights
@@ -899,13 +903,14 @@ def gathered(model):
     """--fsdp: ``model``'s whole weights on every process while sampling, each layer gathered once
     a call rather than once a layer a token (what a forward under FSDP does: trl#5575), and split
     again after; every process enters it (a collective). Nothing without --fsdp. UsageError: the
-    whole weights do not fit in the device's free memory."""
+    whole weights alone (the KV cache not counted) exceed the device's free memory (a CPU's: its
+    free RAM, the page cache not counted)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):  # without --fsdp: whole already
         yield
         return
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # a CPU's available RAM
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # a CPU's free RAM
     if model.device.type == "cuda":  # a GPU's, once PyTorch's cached blocks are let go
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(model.device)[0]
@@ -923,15 +928,19 @@ def gathered(model):
 
 
 def full_tensors(state):
-    """``state`` (dicts and lists of tensors) with each --fsdp shard (a DTensor) gathered whole, on
-    the CPU, once for each object (a tied weight's keys share one); every process calls it (a
-    collective). Without --fsdp: ``state`` itself."""
+    """``state`` (dicts and lists of tensors) with each --fsdp shard (a DTensor) gathered whole: on
+    rank 0 on the CPU (a tied weight's keys, one object under ``state_dict(keep_vars=True)``, share
+    one tensor), None elsewhere; every process calls it (each key's gather is a collective).
+    Without --fsdp: ``state`` itself."""
     from torch.distributed.tensor import DTensor
 
-    wholes = {}  # by object: each key is gathered (every process alike), a tied weight's kept once
+    wholes = {}  # by object
 
     def whole(t):
-        return wholes.setdefault(id(t), t.full_tensor().detach().cpu())
+        full = t.full_tensor().detach()
+        if torch.distributed.get_rank() > 0:  # rank 0 alone writes
+            return None
+        return wholes.setdefault(id(t), full.cpu())
 
     return torch.utils._pytree.tree_map_only(DTensor, whole, state)
 
@@ -950,15 +959,17 @@ def load_state(module, state: dict, strict: bool = True) -> None:
 
 
 def load_optimizer_state(optimizer, state: dict) -> None:
-    """``optimizer.load_state_dict(state)`` (whole tensors), each moment split as its parameter
-    under --fsdp, this process keeping its shard."""
+    """``optimizer.load_state_dict(state)`` (whole tensors); under --fsdp each moment is first split
+    as its parameter, one at a time (never every whole moment on the device at once)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    optimizer.load_state_dict(state)
-    for param, moments in optimizer.state.items():
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, moments in state["state"].items():  # indexed as ``params``
+        param = params[index]
         for key, value in moments.items():
             if isinstance(param, DTensor) and value.shape == param.shape:  # not the step count
                 moments[key] = distribute_tensor(value, param.device_mesh, param.placements)
+    optimizer.load_state_dict(state)
 
 
 def reward_fn_means(rewards: dict[str, torch.Tensor]) -> dict[str, float]:

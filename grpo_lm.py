@@ -578,11 +578,11 @@ def main(args: Args, task: tasks.Task | None = None, step_reward_fn=None):
         common.shard(policy)
     reference = None
     if args.beta > 0:  # bf16 weights where the reference never resets (--iterations 1)
-        bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16) and not args.fsdp
+        bf16 = args.iterations == 1 and common.bf16_active(device, args.bf16)
         reference = common.load_reference(
             policy, model_path, device, lora=lora is not None, bf16_weights=bf16
         )
-        if args.fsdp:  # in float32 (FSDP gathers one dtype a layer)
+        if args.fsdp:
             common.shard(reference)
     reward_model = make_reward_model(args, tokenizer, device)
     rm_training = None

@@ -485,7 +485,7 @@ def main(args: Args, task: tasks.Task | None = None) -> dict:
         return tasks.eval_only(policy, checkpoint, held_out, run_dir / "eval.json")
     reference = None
     if args.beta > 0:  # read under bf16 autocast alone: bf16 Linear weights
-        bf16 = common.bf16_active(device, args.bf16) and not args.fsdp
+        bf16 = common.bf16_active(device, args.bf16)
         reference = common.load_reference(
             policy, model_path, device, lora=lora is not None, bf16_weights=bf16
         )

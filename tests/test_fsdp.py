@@ -132,16 +132,17 @@ def test_grpo_fsdp_takes_one_process_steps_and_resumes_after_a_crash_in_a_save(
     assert_same_weights(tmp_path / "one", two)
 
 
-def test_ppo_fsdp_takes_one_process_steps_with_an_untied_head(tmp_path):
+def test_ppo_fsdp_takes_one_process_steps_with_an_untied_head_and_resumes(tmp_path):
     # the policy, the reference and the value model sharded; an LM head of its own (not the
     # embedding), in the sharded root with the embedding and the final norm; activations recomputed
-    # in the backward (the layers gathered again for it)
+    # in the backward (the layers gathered again for it); step 3 resumed from step 2's checkpoint
+    # (the value model's weights, the optimizer's two groups)
     model = make_tiny_model(tmp_path / "untied", tied=False)
     flags = [
         "--model-name-or-path",
         str(model),
         "--total-steps",
-        "2",
+        "3",
         "--prompts-per-step",
         "8",
         "--num-ppo-epochs",
@@ -163,7 +164,11 @@ def test_ppo_fsdp_takes_one_process_steps_with_an_untied_head(tmp_path):
         *QUIET,
     ]
     one = ppo_lm.main(common.parse_args(ppo_lm.Args, [*flags, "--runs-dir", str(tmp_path / "one")]))
-    out = torchrun("ppo_lm.py", [*flags, "--fsdp", "--runs-dir", str(tmp_path / "two")])
+    two = [*flags, "--fsdp", "--total-steps", "2", "--runs-dir", str(tmp_path / "two")]
+    out = torchrun("ppo_lm.py", two)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (checkpoint,) = (tmp_path / "two").glob("*/checkpoint.pt")
+    out = torchrun("ppo_lm.py", ["--resume", str(checkpoint), "--total-steps", "3"])
     assert out.returncode == 0, out.stderr[-3000:]
     keys = ("reward/mean", "loss/policy", "loss/value", "loss/kl", "optim/grad_norm")
     assert_same_run(one, run_scalars(tmp_path / "two"), (*keys, "optim/value_grad_norm"))
@@ -198,3 +203,22 @@ def test_sampling_gathers_the_whole_weights_or_refuses(
     with pytest.raises(common.UsageError, match=too_big):
         with common.gathered(policy):
             pass
+
+
+def test_a_bf16_reference_reads_sharded_what_it_reads_whole(tiny_model_dir, one_process_group):
+    # --iterations 1 under bf16: the reference's Linear weights in bf16, its norms, embedding and
+    # head in float32, in one unit each layer (FSDP gathers a frozen unit of mixed dtypes)
+    from torch.distributed.tensor import DTensor
+
+    policy = common.load_policy(str(tiny_model_dir), "cpu", None, False)
+    options = dict(lora=False, bf16_weights=True)
+    reference = common.load_reference(policy, str(tiny_model_dir), "cpu", **options)
+    ids = torch.arange(3, 15).view(2, 6)
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = ppo_lm.token_log_probs(reference, ids, mask, 3, temperature=1.0)
+        common.shard(reference)
+        split = ppo_lm.token_log_probs(reference, ids, mask, 3, temperature=1.0)
+    up_proj = reference.model.layers[0].mlp.up_proj.weight
+    assert isinstance(up_proj, DTensor) and up_proj.dtype == torch.bfloat16
+    torch.testing.assert_close(split, whole, rtol=0, atol=0)
