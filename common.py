@@ -960,7 +960,8 @@ def load_state(module, state: dict, strict: bool = True) -> None:
 
 def load_optimizer_state(optimizer, state: dict) -> None:
     """``optimizer.load_state_dict(state)`` (whole tensors); under --fsdp each moment is first split
-    as its parameter, one at a time (never every whole moment on the device at once)."""
+    as its parameter, one at a time (never every whole moment on the device at once), in ``state``
+    itself."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     params = [param for group in optimizer.param_groups for param in group["params"]]

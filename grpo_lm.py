@@ -1249,7 +1249,7 @@ def dynamic_sampling(batch: Batch, sampler: Sampler, args: Args, step: int) -> B
     pad = sampler.tokenizer.pad_token_id
     kept = (chosen + dropped)[:B]
     merged = merge_groups(rounds, kept, G, pad)
-    merged.scalars["sampling/rounds"] = len(rounds)  # every process's
+    merged.scalars["sampling/rounds"] = len(rounds)  # the same on every process
     merged.scalars["sampling/frac_groups_varied"] = varied_groups / args.prompts_per_step
     return merged
 
