@@ -15,9 +15,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, make_tiny_model, tb_scalars, torchrun
+from conftest import ROOT, make_tiny_model, torchrun
 from safetensors.torch import load_file
-from test_distributed import QUIET, assert_same_run, varied_reward
+from test_distributed import QUIET, assert_same_run, scalars, varied_reward
 
 import common
 import grpo_lm
@@ -57,7 +57,7 @@ def run_scalars(runs_dir) -> dict[str, list[float]]:
     """The scalars of the one run under ``runs_dir``, every step once (a resumed run's event files
     together), in step order."""
     (run,) = runs_dir.iterdir()
-    return {tag: [value for _, value in series] for tag, series in tb_scalars(run).items()}
+    return scalars(run)  # tb_scalars reads every event file of the directory
 
 
 def assert_same_weights(one_dir, two_dir) -> None:
